@@ -1,0 +1,1 @@
+"""imagenet-dp: data-parallel ResNet training on ImageNet-format datasets."""

@@ -1,0 +1,76 @@
+import tomllib
+
+import pytest
+
+from app.config import build_parser, config_from_dict, dump_toml, make_config, parse_config
+from app.errors import UserError
+
+
+def test_defaults_follow_the_resnet34_recipe():
+    config, _ = parse_config([])
+    assert config.model.arch == "resnet34"
+    assert config.train.batch_size == 256 and config.optim.lr == 0.1
+    assert config.logging.loggers == ["console"]
+
+
+def test_flags_beat_the_file_which_beats_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nepochs = 7\nbatch_size = 32\n[optim]\nlr = 0.2\n')
+    config, _ = parse_config(["--config", str(path), "--epochs", "3", "-a", "resnet18"])
+    assert config.train.epochs == 3  # flag over file
+    assert config.train.batch_size == 32  # file over default
+    assert config.optim.lr == 0.2
+    assert config.model.arch == "resnet18"  # flag over default
+    assert config.optim.momentum == 0.9  # default
+
+
+def test_pytorch_examples_flag_names():
+    config, _ = parse_config(["-a", "resnet50", "-b", "64", "--wd", "5e-5", "-j", "2", "-p", "5",
+                              "--momentum", "0.8", "-e", "--seed", "3"])
+    assert (config.model.arch, config.train.batch_size, config.optim.weight_decay) == \
+        ("resnet50", 64, 5e-5)
+    assert (config.data.workers, config.train.print_freq, config.optim.momentum) == (2, 5, 0.8)
+    assert config.run.evaluate is True and config.train.seed == 3
+
+
+def test_classes_is_a_count_or_a_list_of_wnids():
+    assert parse_config(["--classes", "5"])[0].data.classes == 5
+    assert parse_config(["--classes", "n01440764,n01443537"])[0].data.classes == \
+        ["n01440764", "n01443537"]
+
+
+def test_help_says_batch_size_is_per_device():
+    assert "PER DEVICE" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[optim]\nlrr = 0.1\n", "unknown key `optim.lrr`"),
+    ("[optimiser]\nlr = 0.1\n", "unknown section [optimiser]"),
+    ("[train]\nepochs = 'ten'\n", "train.epochs: expected a whole number"),
+    ("[optim]\nschedule = 'linear'\n", "must be one of cosine, step"),
+    ("[train]\nepochs = 0\n", "train.epochs must be at least 1"),
+    ("[train]\nepochs = \n", "line 2"),
+])
+def test_bad_config_files_name_file_and_key(tmp_path, text, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as error:
+        parse_config(["--config", str(path)])
+    assert fragment in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_flag_value_names_the_flag():
+    with pytest.raises(UserError, match="flag --lr: optim.lr: expected a number"):
+        parse_config(["--lr", "fast"])
+
+
+def test_missing_config_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="run config not found"):
+        parse_config(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_resolved_config_round_trips_through_toml():
+    config = make_config({("data", "classes"): ["n01440764"], ("optim", "lr"): 0.3,
+                          ("train", "amp"): "off"})
+    assert config_from_dict(tomllib.loads(dump_toml(config))) == config
