@@ -1,0 +1,217 @@
+"""datasets.toml -> DatasetRoot: a named dataset opened as a root folder over an fsspec filesystem.
+
+Any fsspec URL works (a local path, file://, s3://, memory://, ...). Entries either point at an
+existing Kaggle-layout ImageNet (`url`) or name a sample preset (`sample`) that is generated
+into a cache folder on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app import sample
+from app.tomlfile import read_toml
+from app.errors import UserError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
+
+# Keys an entry may have, with their types; anything else is a typo worth reporting.
+ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
+    "url": str, "url_env": str, "sample": str, "seed": int, "image_size": int,
+    "region": str, "profile": str, "endpoint_url": str, "anon": bool,
+    "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int,
+}
+
+
+@dataclass(frozen=True)
+class DatasetRoot:
+    """A dataset's root folder on some filesystem. Picklable: the filesystem object itself is
+    created lazily in each process that uses it (fsspec/s3fs clients must not cross a fork)."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    image_size: int = 0  # the dataset's natural training resolution (0: unknown)
+    options: dict[str, Any] = field(default_factory=dict)  # reader options (cache, concurrency)
+
+    @property
+    def fs(self):
+        return _filesystem(self.url, self.storage_options)[0]
+
+    @property
+    def root(self) -> str:
+        return _filesystem(self.url, self.storage_options)[1]
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    def path(self, relative: str) -> str:
+        return posixpath.join(self.root, relative)
+
+    def exists(self, relative: str = "") -> bool:
+        return self.fs.exists(self.path(relative) if relative else self.root)
+
+    def read_bytes(self, relative: str) -> bytes:
+        return self.fs.cat_file(self.path(relative))
+
+    def read_text(self, relative: str) -> str:
+        return self.read_bytes(relative).decode("utf-8")
+
+    def find(self, relative: str) -> list[str]:
+        """All files below `relative`, as paths relative to the root."""
+        base = self.path(relative)
+        return [posixpath.relpath(p, self.root) for p in self.fs.find(base)]
+
+    def describe(self, relative: str = "") -> str:
+        return self.url.rstrip("/") + ("/" + relative if relative else "")
+
+
+_FILESYSTEMS: dict = {}
+
+
+def _filesystem(url: str, options: dict[str, Any]):
+    """One filesystem per (url, options, process): created after fork/spawn, never inherited."""
+    key = (url, repr(sorted(options.items())), os.getpid())
+    if key not in _FILESYSTEMS:
+        import fsspec  # noqa: PLC0415 (s3fs and friends load only for their protocol)
+        # s3fs takes its retry count as an attribute, not as a constructor argument.
+        arguments = {k: v for k, v in options.items() if k != "retries"}
+        try:
+            _FILESYSTEMS[key] = fsspec.core.url_to_fs(url, **arguments)
+            if "retries" in options:
+                _FILESYSTEMS[key][0].retries = options["retries"]
+        except ImportError as error:
+            raise UserError(f"cannot open {url}: {error}; install the package it names") from None
+        except ValueError as error:
+            raise UserError(f"cannot open {url}: {error}") from None
+    return _FILESYSTEMS[key]
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: Path
+    entries: dict[str, dict[str, Any]]
+    default: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Catalog":
+        path = Path(path)
+        if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+            path = PROJECT_ROOT / path  # `datasets.toml` works from any folder
+        data = read_toml(path, "dataset catalog")
+        entries = data.get("datasets", {})
+        if not isinstance(entries, dict) or not entries:
+            raise UserError(f"{path}: no [datasets.NAME] entries; add at least one")
+        unknown_top = set(data) - {"default", "datasets"}
+        if unknown_top:
+            raise UserError(f"{path}: unknown top-level key `{sorted(unknown_top)[0]}`; "
+                            "expected `default` and [datasets.NAME] tables")
+        for name, entry in entries.items():
+            _check_entry(path, name, entry)
+        default = data.get("default", next(iter(entries)))
+        if default not in entries:
+            raise UserError(f"{path}: default = '{default}' is not an entry; known: "
+                            f"{', '.join(entries)}")
+        return cls(path, entries, default)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def open(self, name: str = "") -> DatasetRoot:
+        """Resolve an entry to its root; the root must exist (sample entries are generated)."""
+        name = name or self.default
+        if name not in self.entries:
+            raise UserError(f"unknown dataset '{name}' in {self.path}; known: "
+                            f"{', '.join(self.entries)}")
+        entry = self.entries[name]
+        if "sample" in entry:
+            folder = sample.ensure(entry.get("cache_dir") or sample.default_cache_dir(),
+                                   entry["sample"], entry.get("seed", 0))
+            size = entry.get("image_size", sample.PRESETS[entry["sample"]].image_size)
+            return DatasetRoot(name, str(folder), {}, size)
+        url = self._url(name, entry)
+        root = DatasetRoot(name, url, _storage_options(url, entry), entry.get("image_size", 0),
+                           _reader_options(entry))
+        try:
+            found = root.exists()
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 (botocore/aiohttp errors: say what to check)
+            raise UserError(f"dataset '{name}': cannot reach {url} ({type(error).__name__}: "
+                            f"{str(error).splitlines()[0][:160]}); check the credentials "
+                            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...), `region` and `endpoint_url`"
+                            ) from None
+        if not found:
+            hint = (f"set {entry['url_env']} or " if entry.get("url_env") else "") + \
+                f"edit `url` of [datasets.{name}] in {self.path}"
+            raise UserError(f"dataset '{name}': root {url} not found; {hint}")
+        return root
+
+    def _url(self, name: str, entry: dict[str, Any]) -> str:
+        url = os.environ.get(entry.get("url_env", ""), "") or entry["url"]
+        if "://" in url:
+            return url
+        # Relative local paths are relative to the catalog file, not to where you run from.
+        return str((self.path.parent / Path(url).expanduser()).resolve())
+
+
+def _check_entry(path: Path, name: str, entry: Any) -> None:
+    where = f"{path}: [datasets.{name}]"
+    if not isinstance(entry, dict):
+        raise UserError(f"{where} must be a table")
+    for key, value in entry.items():
+        if key not in ENTRY_KEYS:
+            raise UserError(f"{where}: unknown key `{key}`; known: {', '.join(ENTRY_KEYS)}")
+        expected = ENTRY_KEYS[key]
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is int):
+            raise UserError(f"{where}: `{key}` has the wrong type ({type(value).__name__})")
+    if ("url" in entry) == ("sample" in entry):
+        raise UserError(f"{where}: give exactly one of `url` (existing data) or `sample` "
+                        f"(generated preset: {', '.join(sample.PRESETS)})")
+    if "sample" in entry and entry["sample"] not in sample.PRESETS:
+        raise UserError(f"{where}: unknown sample preset '{entry['sample']}'; known: "
+                        f"{', '.join(sample.PRESETS)}")
+
+
+def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """fsspec options from the entry. Credentials are never here: s3fs follows the standard
+    AWS chain (environment, shared config/profile, instance role)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return {}
+    concurrency = entry.get("concurrency", DEFAULT_CONCURRENCY)
+    # Retries nest (botocore inside s3fs inside app/data/reader.py), so each layer is short.
+    options: dict[str, Any] = {
+        "max_concurrency": 1,  # one GET per object, without a HEAD request first
+        "retries": 2,  # s3fs: dropped connections, SlowDown
+        "config_kwargs": {
+            "max_pool_connections": concurrency,  # botocore's default of 10 would cap it
+            "connect_timeout": 10, "read_timeout": 30,  # no request waits forever
+            "retries": {"max_attempts": 3, "mode": "standard"},  # 5xx and throttling
+            "response_checksum_validation": "when_required",
+        },
+    }
+    if entry.get("endpoint_url"):
+        options["endpoint_url"] = entry["endpoint_url"]
+    if entry.get("region"):
+        options["client_kwargs"] = {"region_name": entry["region"]}
+    if entry.get("profile"):
+        options["profile"] = entry["profile"]
+    if entry.get("anon"):
+        options["anon"] = True
+    return options
+
+
+def _reader_options(entry: dict[str, Any]) -> dict[str, Any]:
+    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency") if key in entry}

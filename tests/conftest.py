@@ -1,0 +1,98 @@
+"""Shared fixtures: the tiny sample dataset (generated once per session into a temporary
+cache), mutable copies of it, catalogs pointing at them, and a real driver subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+import torch
+
+from app import sample
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sample_cache(tmp_path_factory) -> Path:
+    """Every test (and every subprocess it starts) generates samples into a temporary cache."""
+    cache = tmp_path_factory.mktemp("sample-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("IMAGENET_DP_CACHE", str(cache))
+        patch.setenv("WANDB_MODE", "offline")
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def tiny_sample(sample_cache) -> Path:
+    return sample.ensure(sample_cache, "tiny", 0, log=lambda *_: None)
+
+
+@pytest.fixture
+def tiny_copy(tiny_sample, tmp_path) -> Path:
+    """A private copy of the tiny sample that a test may damage."""
+    return Path(shutil.copytree(tiny_sample, tmp_path / "imagenet"))
+
+
+def write_catalog(path: Path, datasets: dict, default: str | None = None) -> Path:
+    data = {"default": default or next(iter(datasets)), "datasets": datasets}
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+@pytest.fixture
+def catalog_for(tmp_path):
+    """catalog_for(folder) -> path of a datasets.toml whose entry `data` points at folder."""
+    def make(folder: Path, **options) -> Path:
+        return write_catalog(tmp_path / "datasets.toml", {"data": {"url": str(folder), **options}})
+    return make
+
+
+def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    """bin/driver.py in a real Python process, as a user would start it."""
+    return subprocess.run([sys.executable, str(REPO / "bin" / "driver.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# Small and fast: a timm ResNet with 16-192 channels, at 32 px.
+TINY_TRAIN_FLAGS = ("-a", "test_resnet", "--image-size", "32", "-b", "32", "-j", "0",
+                    "--lr", "0.4", "--warmup-epochs", "0.5", "--wd", "5e-5")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto_server on loopback; credentials come from the standard AWS chain (environment)."""
+    from s3 import ACCESS_KEY, SECRET_KEY, MotoServer
+    empty = tmp_path_factory.mktemp("aws") / "none"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        patch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        patch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask for an instance role
+        patch.setenv("AWS_CONFIG_FILE", str(empty))  # the developer's ~/.aws stays out
+        patch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty))
+        server = MotoServer()
+        yield server
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_tiny(s3_server, tiny_sample) -> str:
+    """The tiny sample in a bucket: s3://imagenet-test/ilsvrc."""
+    return s3_server.upload(tiny_sample, "imagenet-test", "ilsvrc")

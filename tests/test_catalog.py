@@ -1,0 +1,112 @@
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from app.catalog import DEFAULT_CONCURRENCY, Catalog, _storage_options
+from app.errors import UserError
+from app.tables import load_tables
+from conftest import REPO, write_catalog
+
+
+def test_repo_catalog_has_the_documented_entries():
+    catalog = Catalog.load(REPO / "datasets.toml")
+    assert {"sample", "sample_tiny", "imagenet_local", "imagenet_s3"} <= set(catalog.names)
+    assert catalog.default == "sample"
+    assert catalog.entries["imagenet_s3"]["url"].startswith("s3://")
+
+
+def test_sample_entry_is_generated_on_first_use(sample_cache):
+    root = Catalog.load(REPO / "datasets.toml").open("sample_tiny")
+    assert Path(root.url).parent == sample_cache
+    assert root.exists("LOC_synset_mapping.txt") and root.image_size == 32
+
+
+def test_missing_catalog(tmp_path):
+    with pytest.raises(UserError, match=r"nope.toml: dataset catalog not found"):
+        Catalog.load(tmp_path / "nope.toml")
+
+
+def test_malformed_catalog_names_the_line(tmp_path):
+    path = tmp_path / "datasets.toml"
+    path.write_text('default = "a"\n\n[datasets.a]\nurl = /data\n')
+    with pytest.raises(UserError) as error:
+        Catalog.load(path)
+    assert "datasets.toml: invalid TOML" in str(error.value) and "line 4" in str(error.value)
+
+
+def test_unknown_dataset_lists_known_ones(tiny_sample, tmp_path):
+    catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {"one": {"url": str(tiny_sample)},
+                                                               "two": {"sample": "tiny"}}))
+    with pytest.raises(UserError, match=r"unknown dataset 'three' .*known: one, two"):
+        catalog.open("three")
+
+
+def test_missing_root_says_which_variable_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("MY_ROOT", raising=False)
+    catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {
+        "local": {"url": str(tmp_path / "absent"), "url_env": "MY_ROOT"}}))
+    with pytest.raises(UserError, match=r"root .*absent not found; set MY_ROOT or edit `url`"):
+        catalog.open("local")
+
+
+def test_environment_variable_overrides_url(tiny_sample, tmp_path, monkeypatch):
+    catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {
+        "local": {"url": str(tmp_path / "absent"), "url_env": "MY_ROOT"}}))
+    monkeypatch.setenv("MY_ROOT", str(tiny_sample))
+    assert catalog.open("local").url == str(tiny_sample)
+
+
+def test_relative_url_is_relative_to_the_catalog_file(tiny_sample, tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "data").symlink_to(tiny_sample)
+    catalog = Catalog.load(write_catalog(tmp_path / "cfg" / "c.toml", {"d": {"url": "../data"}}))
+    monkeypatch.chdir("/")
+    assert catalog.open("d").exists("LOC_val_solution.csv")
+
+
+def test_any_fsspec_url_works(tiny_sample, tmp_path):
+    """A memory:// dataset (no local file at all) resolves to the same frames as the local one."""
+    memory = fsspec.filesystem("memory")
+    for name in ["LOC_synset_mapping.txt", "LOC_val_solution.csv", "LOC_train_solution.csv",
+                 "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"]:
+        memory.pipe(f"/catalog-test/{name}", (tiny_sample / name).read_bytes())
+    catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {
+        "mem": {"url": "memory://catalog-test"}, "local": {"url": str(tiny_sample)}}))
+    in_memory = load_tables(catalog.open("mem"))
+    local = load_tables(catalog.open("local"))
+    assert in_memory.train.equals(local.train) and in_memory.val.equals(local.val)
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"url": "/x", "sample": "tiny"}, "exactly one of `url`"),
+    ({}, "exactly one of `url`"),
+    ({"sample": "huge"}, "unknown sample preset 'huge'"),
+    ({"url": "/x", "regoin": "eu"}, "unknown key `regoin`"),
+    ({"url": "/x", "anon": "yes"}, "`anon` has the wrong type"),
+])
+def test_bad_entries(tmp_path, entry, fragment):
+    with pytest.raises(UserError, match=fragment):
+        Catalog.load(write_catalog(tmp_path / "c.toml", {"bad": entry}))
+
+
+def test_default_must_name_an_entry(tmp_path):
+    with pytest.raises(UserError, match="default = 'b' is not an entry"):
+        Catalog.load(write_catalog(tmp_path / "c.toml", {"a": {"sample": "tiny"}}, default="b"))
+
+
+def test_s3_options_map_to_s3fs_and_carry_no_credentials():
+    options = _storage_options("s3://bucket/imagenet", {
+        "url": "s3://bucket/imagenet", "region": "eu-west-1", "profile": "research",
+        "endpoint_url": "http://127.0.0.1:9000", "anon": True})
+    assert {key: options[key] for key in ("endpoint_url", "profile", "client_kwargs", "anon")} == {
+        "endpoint_url": "http://127.0.0.1:9000", "profile": "research",
+        "client_kwargs": {"region_name": "eu-west-1"}, "anon": True}
+    # Every request in flight needs its own pooled connection, and none may wait forever.
+    assert options["config_kwargs"]["max_pool_connections"] == DEFAULT_CONCURRENCY
+    assert options["config_kwargs"]["read_timeout"] > 0
+    assert _storage_options("s3://b/p", {"concurrency": 8})["config_kwargs"][
+        "max_pool_connections"] == 8
+    secrets = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key")
+    assert not set(options) & set(secrets)
+    assert _storage_options("/data/imagenet", {"region": "eu-west-1"}) == {}
