@@ -1,0 +1,1 @@
+"""Input pipeline: sampler -> reader -> decode -> augment -> loader (see each module)."""

@@ -1,0 +1,64 @@
+"""A local disk cache of remote blobs, bounded in size, shared by every loader process.
+
+It fills up to `max_bytes` and then stays as it is. Training reads every image once per epoch
+in a new random order, so an LRU cache smaller than the dataset would evict each image just
+before its next use and hit almost never; a cache that keeps what it has serves the same
+fraction (size / dataset) every epoch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+LEDGER = ".bytes"  # total bytes admitted so far, updated under an exclusive file lock
+
+
+class DiskCache:
+    def __init__(self, folder: str | Path, max_bytes: int):
+        self.folder = Path(folder).expanduser()
+        self.max_bytes = max_bytes
+        self.full = False
+
+    @classmethod
+    def for_dataset(cls, cache_dir: str, url: str, max_gb: float) -> "DiskCache":
+        """One sub-folder per dataset URL, so two datasets never share entries."""
+        key = hashlib.sha1(url.encode()).hexdigest()[:16]
+        return cls(Path(cache_dir).expanduser() / key, int(max_gb * 2**30))
+
+    def get(self, path: str) -> bytes | None:
+        try:
+            return (self.folder / path).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def put(self, path: str, data: bytes) -> None:
+        if self.full or not self._admit(len(data)):
+            return
+        target = self.folder / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        temporary.write_bytes(data)
+        os.replace(temporary, target)  # readers see the whole file or none
+
+    def _admit(self, size: int) -> bool:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / LEDGER, "a+") as ledger:
+            fcntl.flock(ledger, fcntl.LOCK_EX)
+            ledger.seek(0)
+            used = int(ledger.read() or 0)
+            if used + size > self.max_bytes:
+                self.full = True
+                return False
+            ledger.seek(0)
+            ledger.truncate()
+            ledger.write(str(used + size))
+        return True
+
+    def used_bytes(self) -> int:
+        try:
+            return int((self.folder / LEDGER).read_text() or 0)
+        except FileNotFoundError:
+            return 0

@@ -1,0 +1,44 @@
+"""Image bytes -> an RGB Pillow image (the CPU decoder).
+
+Pillow handles ImageNet's quirks: CMYK JPEGs (converted, Adobe inversion included), grayscale
+JPEGs and the PNG stored under a .JPEG name (Pillow sniffs the content, not the name).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+from PIL import Image
+
+# Decoding errors that mean "this file is not a usable image" rather than a bug here.
+BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+class BadImage(Exception):
+    """The bytes are not a decodable image; the message says why."""
+
+
+def open_image(data: bytes) -> Image.Image:
+    """Lazily opened image: its size is known, its pixels are not decoded yet."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except (*BAD_IMAGE_ERRORS, Image.DecompressionBombWarning) as error:
+        raise BadImage(_reason(error, data)) from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Decode the pixels and convert to RGB (raises BadImage for truncated/corrupt data)."""
+    try:
+        image.load()
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except BAD_IMAGE_ERRORS as error:
+        raise BadImage(_reason(error, b"?")) from None
+
+
+def _reason(error: Exception, data: bytes) -> str:
+    if not data:
+        return "empty file"
+    return f"not decodable: {str(error).splitlines()[0][:120] or type(error).__name__}"

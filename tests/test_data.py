@@ -1,0 +1,174 @@
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app import sample
+from app.catalog import DatasetRoot
+from app.data.augment import (EvalRecipe, TrainRecipe, center_crop_box, normalize,
+                              random_resized_crop_box)
+from app.data.decode import BadImage, open_image, to_rgb
+from app.data.loader import Skipped, build_loader
+from app.data.sampler import ShardedBatches
+from app.tables import train_cls_list
+
+
+def indices(batches) -> list[list[int]]:
+    return [[i for i, _ in batch] for batch in batches]
+
+
+def test_an_epoch_sees_every_image_once_and_epochs_differ():
+    batches = ShardedBatches(103, 10, seed=1)
+    batches.set_epoch(0)
+    first = indices(batches)
+    assert len(first) == math.ceil(103 / 10) and len(first[-1]) == 3
+    assert sorted(sum(first, [])) == list(range(103))
+    batches.set_epoch(1)
+    assert indices(batches) != first
+
+
+def test_two_workers_split_exactly_the_global_batch_of_one():
+    single = ShardedBatches(103, 20, seed=5)
+    halves = [ShardedBatches(103, 10, rank=r, world_size=2, seed=5) for r in range(2)]
+    for epoch in (0, 3):
+        for b in [single, *halves]:
+            b.set_epoch(epoch)
+        for whole, a, b in zip(indices(single), indices(halves[0]), indices(halves[1])):
+            assert whole == a + b and not set(a) & set(b)
+        assert len(halves[0]) == len(halves[1]) == len(single)
+
+
+def test_uneven_last_batch_may_leave_a_worker_empty_but_steps_stay_aligned():
+    workers = [ShardedBatches(41, 10, rank=r, world_size=4, seed=0) for r in range(4)]
+    per_worker = [indices(w) for w in workers]
+    assert len({len(p) for p in per_worker}) == 1  # same number of steps everywhere
+    assert sorted(sum((sum(p, []) for p in per_worker), [])) == list(range(41))
+    assert [len(p[-1]) for p in per_worker] == [1, 0, 0, 0]
+
+
+def test_resuming_mid_epoch_gives_the_remaining_batches():
+    full = ShardedBatches(50, 8, seed=2)
+    full.set_epoch(4)
+    later = ShardedBatches(50, 8, seed=2)
+    later.set_epoch(4, start_step=3)
+    assert list(later) == list(full)[3:] and len(later) == len(full) - 3
+
+
+def test_validation_counts_every_image_exactly_once():
+    parts = [ShardedBatches(23, 4, rank=r, world_size=3, shuffle=False) for r in range(3)]
+    seen = sum((sum(indices(p), []) for p in parts), [])
+    assert sorted(seen) == list(range(23))
+
+
+def test_augmentation_seed_depends_on_image_and_epoch_not_on_worker():
+    one = ShardedBatches(20, 20, seed=0)
+    two = ShardedBatches(20, 10, rank=1, world_size=2, seed=0)
+    seeds_one = dict(sum(list(one), []))
+    assert all(seeds_one[i] == s for i, s in sum(list(two), []))
+    one.set_epoch(1)
+    assert dict(sum(list(one), [])) != seeds_one
+
+
+def test_random_resized_crop_boxes_respect_scale_and_ratio():
+    from torchvision.transforms import RandomResizedCrop
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    ours, theirs = [], []
+    for _ in range(3000):
+        height, width = rng.randint(40, 500), rng.randint(40, 500)
+        top, left, h, w = random_resized_crop_box(height, width, rng)
+        assert 0 <= top and top + h <= height and 0 <= left and left + w <= width
+        ours.append((h * w / (height * width), w / h))
+        _, _, h, w = RandomResizedCrop.get_params(torch.empty(1, height, width),
+                                                  (0.08, 1.0), (3 / 4, 4 / 3))
+        theirs.append((h * w / (height * width), w / h))
+    ours, theirs = np.array(ours), np.array(theirs)
+    assert ours[:, 0].min() >= 0.08 * 0.9 and ours[:, 0].max() <= 1.0
+    # the same algorithm as torchvision: same distribution of areas and aspect ratios
+    assert abs(ours[:, 0].mean() - theirs[:, 0].mean()) < 0.02
+    assert abs(np.log(ours[:, 1]).std() - np.log(theirs[:, 1]).std()) < 0.02
+    for q in (0.1, 0.5, 0.9):
+        assert abs(np.quantile(ours[:, 0], q) - np.quantile(theirs[:, 0], q)) < 0.03
+
+
+def test_train_recipe_is_deterministic_per_seed_and_flips_half():
+    recipe = TrainRecipe(32)
+    assert recipe.plan(100, 80, 7) == recipe.plan(100, 80, 7)
+    flips = [recipe.plan(100, 80, s)[1] for s in range(1000)]
+    assert 400 < sum(flips) < 600
+
+
+def test_eval_crop_is_the_resize_then_centre_crop_box():
+    assert center_crop_box(256, 512, 0.875) == (16, 144, 224, 224)
+    assert EvalRecipe(224).plan(256, 512, 0) == ((16, 144, 224, 224), False)
+
+
+def test_normalize_matches_torchvision():
+    from torchvision.transforms.v2 import functional as F
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    expected = F.normalize(images.float() / 255, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    assert torch.allclose(normalize(images), expected, atol=1e-5)
+
+
+def quirk_image(tiny_sample, kind: str):
+    """(path, the pixels the generator drew for it) for the CMYK / PNG / gray train image."""
+    label = {"cmyk": 0, "png": 1, "gray": 2}[kind]
+    spec = sample.PRESETS["tiny"]
+    folder = tiny_sample / sample.TRAIN_DIR / sample.REAL_SYNSETS[label][0]
+    # the quirky one is the class's first image: the smallest image number
+    path = min(folder.iterdir(), key=lambda p: int(p.stem.split("_")[1]))
+    job = sample.ImageJob(str(path), label, (0, 1, label, 0), spec.classes, spec, kind)
+    return path, sample.render(job)[0].astype(np.float64)
+
+
+@pytest.mark.parametrize("kind, tolerance", [("png", 0.0), ("cmyk", 12.0), ("gray", 12.0)])
+def test_quirky_images_decode_to_the_right_rgb(tiny_sample, kind, tolerance):
+    path, drawn = quirk_image(tiny_sample, kind)
+    decoded = to_rgb(open_image(path.read_bytes()))
+    assert decoded.mode == "RGB" and decoded.size == (drawn.shape[1], drawn.shape[0])
+    pixels = np.asarray(decoded, dtype=np.float64)
+    if kind == "gray":
+        drawn = np.asarray(Image.fromarray(drawn.astype(np.uint8)).convert("L").convert("RGB"),
+                           dtype=np.float64)
+    assert np.abs(pixels - drawn).mean() <= tolerance
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"", "empty file"), (b"hello, I am text", "not decodable"),
+])
+def test_undecodable_bytes_raise_bad_image(data, reason):
+    with pytest.raises(BadImage, match=reason):
+        to_rgb(open_image(data))
+
+
+def test_truncated_jpeg_is_a_bad_image(tiny_sample):
+    data = next((tiny_sample / sample.VAL_DIR).iterdir()).read_bytes()
+    with pytest.raises(BadImage):
+        to_rgb(open_image(data[: len(data) // 2]))
+
+
+def test_loader_skips_and_reports_bad_images(tiny_copy):
+    root = DatasetRoot("t", str(tiny_copy))
+    frame = train_cls_list(root)
+    broken = {frame.path[3]: b"", frame.path[10]: b"not an image"}
+    for path, data in broken.items():
+        (tiny_copy / path).write_bytes(data)
+    (tiny_copy / frame.path[20]).unlink()
+    broken[frame.path[20]] = None
+    batches = ShardedBatches(len(frame), 64, seed=0)
+    loader = build_loader(root, frame, TrainRecipe(24), batches, workers=2)
+    skipped, images, labels = [], 0, []
+    for batch in loader:
+        skipped += batch.skipped
+        images += len(batch)
+        labels.append(batch.labels)
+        assert batch.images.dtype == torch.uint8 and batch.images.shape[1:] == (3, 24, 24)
+    assert sorted(s.path for s in skipped) == sorted(broken)
+    reasons = {s.path: s.reason for s in skipped}
+    assert reasons[frame.path[20]] == "missing" and reasons[frame.path[3]] == "empty file"
+    assert images == len(frame) - 3
+    assert sorted(torch.cat(labels).tolist()) == sorted(frame.label.drop([3, 10, 20]).tolist())
+    assert isinstance(skipped[0], Skipped)
