@@ -1,0 +1,115 @@
+"""Checkpoints: CPU tensors, plain model keys, atomic writes, weights_only loading.
+
+A checkpoint holds everything needed to continue exactly: model (keys of the bare timm model,
+no `module.`/`_orig_mod.` prefixes), optimizer, LR scheduler, grad scaler, progress counters,
+the resolved config and the RNG states.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from app.errors import UserError
+
+FORMAT = "imagenet-dp/1"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model under DistributedDataParallel and/or torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module"):  # DDP
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def rng_states() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states = {"python": random.getstate(),
+              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(states["python"]))
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def save(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write atomically: temporary file in the same folder, fsync, rename, fsync the folder.
+    A crash at any point leaves either the old or the new checkpoint, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save({"format": FORMAT, **to_cpu(payload)}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint with weights_only=True (no arbitrary code runs while loading)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} not found; check the --resume path")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError) as error:
+        first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+        raise UserError(f"checkpoint {path} is truncated, corrupt or not an imagenet-dp "
+                        f"checkpoint ({type(error).__name__}: {first})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} was not written by imagenet-dp "
+                        f"(expected format {FORMAT})")
+    return payload
+
+
+def load_model_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path
+                       ) -> None:
+    try:
+        unwrap(model).load_state_dict(state)
+    except RuntimeError as error:
+        detail = str(error).strip().splitlines()[1:2] or [""]
+        raise UserError(f"checkpoint {path} does not fit this model (different --arch or "
+                        f"--classes?): {detail[0].strip()[:160]}") from None

@@ -1,0 +1,24 @@
+"""TrainJob: what the driver resolves once and every worker receives (picklable for spawn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.catalog import DatasetRoot
+from app.config import Config
+from app.tables import Tables
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    config: Config  # resolved: dataset, image size and run name filled in
+    root: DatasetRoot
+    tables: Tables
+    image_size: int
+    run_dir: str
+    resume_from: str = ""  # a checkpoint path, or "" to start fresh
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.run_dir) / "checkpoints"

@@ -1,0 +1,63 @@
+"""Console output: a progress bar per epoch on a terminal (plain lines when redirected, as
+pytorch/examples prints them) and one summary line per epoch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from app.loggers import NullLogger
+
+
+class ConsoleLogger(NullLogger):
+    def __init__(self, epochs: int, stream=None):
+        self.epochs = epochs
+        self.stream = stream or sys.stdout
+        self.bar: tqdm | None = None
+        self.bar_epoch = None
+        self.interactive = self.stream.isatty()
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        if "val/top1" in metrics:
+            self._close_bar()
+            print(epoch_summary(metrics, self.epochs), file=self.stream, flush=True)
+        elif "train/loss" in metrics:
+            self._progress(metrics)
+
+    def _progress(self, m: dict[str, Any]) -> None:
+        text = (f"loss {m['train/loss']:.4f}  lr {m['train/lr']:.4g}  "
+                f"{m['train/images_per_sec']:.0f} img/s")
+        if not self.interactive:
+            print(f"epoch {m['epoch']}/{self.epochs} [{m['progress/epoch_step']}/"
+                  f"{m['progress/epoch_steps']}]  {text}", file=self.stream, flush=True)
+            return
+        if self.bar is None or self.bar_epoch != m["epoch"]:
+            self._close_bar()
+            self.bar = tqdm(total=m["progress/epoch_steps"], file=self.stream, leave=False,
+                            desc=f"epoch {m['epoch']}/{self.epochs}", unit="step")
+            self.bar_epoch = m["epoch"]
+        self.bar.update(m["progress/epoch_step"] - self.bar.n)
+        self.bar.set_postfix_str(text)
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def finish(self) -> None:
+        self._close_bar()
+
+
+def epoch_summary(m: dict[str, Any], epochs: int) -> str:
+    parts = [f"epoch {m['epoch']}/{epochs}"]
+    if "train/epoch_loss" in m:
+        parts.append(f"train loss {m['train/epoch_loss']:.4f}")
+    parts.append(f"val top-1 {m['val/top1']:.4f}  top-5 {m['val/top5']:.4f}  "
+                 f"loss {m['val/loss']:.4f}")
+    if "epoch/time_s" in m:
+        parts.append(f"time {m['epoch/time_s']:.1f}s")
+    skipped = m.get("train/skipped", 0) + m.get("val/skipped", 0)
+    parts.append(f"skipped {skipped} images")
+    return "  ".join(parts)

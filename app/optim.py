@@ -1,0 +1,67 @@
+"""Optimizer with per-parameter weight decay, LR scaling by the global batch, LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from app.config import OptimConfig
+
+# Parameters of these modules never get weight decay (chosen by type: names like 'bn' miss
+# e.g. torchvision's `downsample.1` BatchNorm).
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            skip = isinstance(module, NORM_TYPES) or name == "bias"
+            (no_decay if skip else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def scaled_lr(config: OptimConfig, global_batch: int) -> float:
+    """The LR is given per 256 images (Goyal et al.): lr x global_batch / 256."""
+    return config.lr * global_batch / 256
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int
+                    ) -> torch.optim.Optimizer:
+    groups = param_groups(model, config.weight_decay)
+    lr = scaled_lr(config, global_batch)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999))
+    return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov)
+
+
+class WarmupSchedule:
+    """LR factor per optimizer step: linear warmup, then cosine to zero or step decay.
+    A plain object (not a closure) so LambdaLR can save and restore it in checkpoints."""
+
+    def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int):
+        self.kind = config.schedule
+        self.steps_per_epoch = steps_per_epoch
+        self.warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+        self.total_steps = max(1, epochs * steps_per_epoch)
+        self.step_epochs = config.step_epochs
+        self.step_gamma = config.step_gamma
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "step":
+            return self.step_gamma ** (step // self.steps_per_epoch // self.step_epochs)
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps_per_epoch: int,
+                    epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupSchedule(config, steps_per_epoch, epochs))

@@ -1,0 +1,53 @@
+"""Numerics on the training device: autocast dtype, memory format, fp16 loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from app.data.augment import normalize
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+
+
+@dataclass(frozen=True)
+class Precision:
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    channels_last: bool
+    input_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, amp: str, channels_last: bool, device: str, dtype: str = "float32"
+                    ) -> "Precision":
+        device = torch.device(device)
+        on_cuda = device.type == "cuda"
+        if amp == "auto":
+            amp = "bf16" if on_cuda else "off"
+        # channels_last pays on CUDA tensor cores; on CPU it only adds copies.
+        return cls(device, AMP_DTYPES[amp], channels_last and on_cuda, getattr(torch, dtype))
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16 needs loss scaling; bf16 has fp32's range and does not."""
+        if self.autocast_dtype is torch.float16:
+            return torch.amp.GradScaler(self.device.type)
+        return None
+
+    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A loader batch (uint8 on the host) -> normalised images and labels on the device."""
+        images = batch.images.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        return normalize(images, self.input_dtype, self.channels_last), labels
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device, dtype=self.input_dtype)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        return model

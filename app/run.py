@@ -1,0 +1,99 @@
+"""From a parsed config to a running job: dataset, tables, run folder, resume point, workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+from app.catalog import Catalog
+from app.devices import TorchrunEnv
+from app.config import Config, dump_toml, parse_config
+from app.errors import UserError
+from app.job import TrainJob
+from app.tables import load_tables
+
+log = logging.getLogger("imagenet_dp")
+DEFAULT_IMAGE_SIZE = 224
+
+
+def main(argv: list[str]) -> int:
+    config, _ = parse_config(argv)
+    torchrun = TorchrunEnv.from_environ(os.environ)
+    if torchrun and not config.run.name:
+        raise UserError("under torchrun pass --run-name: every process must agree on the run "
+                        "folder")
+    job = prepare_job(config)
+    # torch and timm take seconds to import: only now, so mistakes above are reported at once.
+    from app.devices import worker_devices  # noqa: PLC0415
+    from app.parallel import launcher  # noqa: PLC0415
+    parallel = config.parallel
+    devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
+    mode = launcher.choose_sync(parallel.sync, devices, torchrun)
+    write_run_folder(job)
+    if torchrun:
+        return launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
+    return launcher.run_job(job, devices, mode)
+
+
+def torchrun_device(devices: list[str], torchrun: TorchrunEnv) -> str:
+    """torchrun starts one process per GPU: LOCAL_RANK picks it (or CPU when asked for)."""
+    return "cpu" if devices[0] == "cpu" else f"cuda:{torchrun.local_rank}"
+
+
+def prepare_job(config: Config) -> TrainJob:
+    """Resolve everything a worker needs: dataset, tables, image size, run name, resume."""
+    catalog = Catalog.load(config.data.catalog)
+    resume_from, name = resolve_resume(config)
+    root = catalog.open(config.data.dataset)
+    tables = load_tables(root, config.data.classes, config.data.train_index)
+    image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.run.output_dir) / name
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
+        run=dataclasses.replace(config.run, name=name, resume=resume_from))
+    return TrainJob(config, root, tables, image_size, str(run_dir), resume_from)
+
+
+def resolve_resume(config: Config) -> tuple[str, str]:
+    """(checkpoint to resume from or "", run name). `auto` means this run's last.pt, if any;
+    resuming from runs/<name>/checkpoints/X.pt continues run <name> unless --run-name says
+    otherwise."""
+    resume, name = config.run.resume, config.run.name
+    if resume == "auto":
+        if not name:
+            raise UserError("--resume auto needs --run-name (the run whose last.pt to continue)")
+        last = Path(config.run.output_dir) / name / "checkpoints" / "last.pt"
+        if not last.is_file():
+            log.info("--resume auto: no %s yet, starting a new run", last)
+            return "", name
+        return str(last), name
+    if resume:
+        path = Path(resume)
+        if not path.is_file():
+            raise UserError(f"--resume {resume}: no such checkpoint file")
+        if not name and path.parent.name == "checkpoints":
+            name = path.parent.parent.name
+        return str(path), name
+    return "", name
+
+
+def write_run_folder(job: TrainJob) -> None:
+    """Create runs/<name>/ and write the resolved config.toml (temporary file + rename, so
+    several processes under torchrun never leave a half-written file)."""
+    path = Path(job.run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        temporary = path / f".config.toml.{os.getpid()}"
+        temporary.write_text(dump_toml(job.config))
+        os.replace(temporary, path / "config.toml")
+    except OSError as error:
+        raise UserError(f"cannot write the run folder {path}: {error.strerror}; choose another "
+                        "--output-dir") from None
+    log.info("run %s: %s, %d classes, %d train / %d val images, %d px, outputs in %s",
+             job.config.run.name, job.root.name, job.tables.num_classes, len(job.tables.train),
+             len(job.tables.val), job.image_size, path)

@@ -1,0 +1,54 @@
+import math
+
+import pytest
+import torch
+
+from app.config import OptimConfig
+from app.models import create_model
+from app.optim import WarmupSchedule, build_optimizer, param_groups, scaled_lr
+
+
+def test_no_weight_decay_on_norm_and_bias_parameters():
+    model = create_model("resnet18", num_classes=10)
+    decay, no_decay = param_groups(model, 1e-4)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert "layer2.0.downsample.1.weight" in no_decay_names  # a BatchNorm not called "bn"
+    assert {"fc.bias", "bn1.weight", "bn1.bias"} <= no_decay_names
+    assert {"conv1.weight", "fc.weight", "layer2.0.downsample.0.weight"} <= decay_names
+    assert all(names[id(p)].endswith("weight") and p.ndim > 1 for p in decay["params"])
+    assert len(decay_names) + len(no_decay_names) == len(names)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (1e-4, 0.0)
+
+
+def test_lr_is_per_256_images():
+    config = OptimConfig(lr=0.1)
+    assert scaled_lr(config, 1024) == pytest.approx(0.4)
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), config, global_batch=128)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_nesterov_and_adamw():
+    sgd = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(nesterov=True), 256)
+    assert sgd.param_groups[0]["nesterov"] is True
+    adamw = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(optimizer="adamw",
+                                                               momentum=0.8), 256)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"][0] == 0.8
+
+
+def test_warmup_then_cosine():
+    schedule = WarmupSchedule(OptimConfig(warmup_epochs=2), steps_per_epoch=10, epochs=12)
+    assert schedule(0) == pytest.approx(1 / 20) and schedule(9) == pytest.approx(10 / 20)
+    assert schedule(19) == pytest.approx(1.0)
+    assert schedule(20) == pytest.approx(1.0)
+    assert schedule(70) == pytest.approx(0.5)  # half way through the 100 cosine steps
+    assert schedule(119) == pytest.approx(0.5 * (1 + math.cos(math.pi * 99 / 100)))
+    factors = [schedule(s) for s in range(20, 120)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+def test_step_schedule():
+    schedule = WarmupSchedule(OptimConfig(schedule="step", warmup_epochs=0, step_epochs=3,
+                                          step_gamma=0.1), steps_per_epoch=5, epochs=9)
+    assert [schedule(s) for s in (0, 14, 15, 29, 30)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])

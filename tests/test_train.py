@@ -1,0 +1,139 @@
+"""End to end: the driver trains the tiny sample, saves checkpoints, resumes exactly."""
+
+import json
+import tomllib
+
+import pytest
+import timm
+import torch
+
+from app import checkpoint
+from app.config import parse_config
+from app.devices import WorkerEnv
+from app.loggers import NullLogger
+from app.parallel import LocalSync
+from app.run import prepare_job, write_run_folder
+from app.train import train_worker
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+
+CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One real driver run: 4 epochs of test_resnet on the tiny sample."""
+    cwd = tmp_path_factory.mktemp("driver")
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "--epochs", "4", "--run-name", "r",
+                        "-p", "4", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return cwd, cwd / "runs" / "r", result
+
+
+def test_training_learns_the_tiny_sample(trained_run):
+    _, run_dir, result = trained_run
+    epochs = [r for r in records(run_dir) if "val/top1" in r]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3, 4]
+    assert epochs[-1]["val/top1"] >= 0.6  # chance is 0.1 with 10 classes
+    assert epochs[-1]["val/top5"] >= epochs[-1]["val/top1"]
+    assert epochs[-1]["train/epoch_loss"] < 0.6 * epochs[0]["train/epoch_loss"]
+    assert epochs[-1]["val/images"] == 100  # every val image, once
+    assert result.stdout.count("val top-1") == 4
+
+
+def test_metrics_are_logged_each_print_interval_with_growing_steps(trained_run):
+    _, run_dir, _ = trained_run
+    rows = records(run_dir)
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert len(train_rows) == 4 * 3  # 10 steps per epoch, -p 4: steps 4, 8 and the last
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and steps[-1] == 40
+
+
+def test_run_folder_holds_resolved_config_and_checkpoints(trained_run):
+    _, run_dir, _ = trained_run
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    assert config["data"]["dataset"] == "sample_tiny" and config["data"]["image_size"] == 32
+    assert config["model"]["arch"] == "test_resnet" and config["run"]["name"] == "r"
+    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert (state["epoch"], state["step"]) == (4, 40)
+    assert {"optimizer", "scheduler", "rng", "config"} <= set(state)
+    assert all(t.device.type == "cpu" for t in state["model"].values())
+    plain = timm.create_model("test_resnet", num_classes=10)
+    plain.load_state_dict(state["model"])  # strict, no wrapper prefixes
+    best = checkpoint.load(run_dir / "checkpoints" / "best.pt")
+    epochs = [r for r in records(run_dir) if "val/top1" in r]
+    assert best["best_top1"] == max(r["val/top1"] for r in epochs)
+
+
+def test_evaluate_only_reproduces_the_last_epochs_accuracy(trained_run):
+    cwd, run_dir, _ = trained_run
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-e", "--resume", "auto", "--run-name", "r",
+                        cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    last_epoch = [r for r in records(run_dir) if "val/top1" in r][-2]  # before this eval
+    evaluation = records(run_dir)[-1]
+    assert evaluation["val/top1"] == last_epoch["val/top1"]
+    assert f"val top-1 {last_epoch['val/top1']:.4f}" in result.stdout
+
+
+def test_resume_auto_continues_the_run(trained_run):
+    cwd, run_dir, _ = trained_run
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "--resume", "auto", "--run-name", "r",
+                        "--epochs", "5", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert "epoch 5/5" in result.stdout and "epoch 1/5" not in result.stdout
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] == 50
+
+
+class StopAfterFirstEpoch(NullLogger):
+    """Stands in for a crash right after the first epoch's checkpoint was written."""
+
+    def log_metrics(self, step, metrics):
+        if "val/top1" in metrics:
+            raise KeyboardInterrupt
+
+
+def train_in_process(tmp_path, *flags):
+    config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "--output-dir", str(tmp_path), *flags])
+    job = prepare_job(config)
+    write_run_folder(job)
+    return job
+
+
+def test_resume_from_last_pt_continues_exactly(tmp_path):
+    straight = train_in_process(tmp_path, "--epochs", "3", "--run-name", "straight")
+    train_worker(straight, WorkerEnv(), LocalSync(), NullLogger())
+
+    interrupted = train_in_process(tmp_path, "--epochs", "3", "--run-name", "interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        train_worker(interrupted, WorkerEnv(), LocalSync(), StopAfterFirstEpoch())
+    last = tmp_path / "interrupted" / "checkpoints" / "last.pt"
+    assert (checkpoint.load(last)["epoch"], checkpoint.load(last)["step"]) == (1, 10)
+    resumed = train_in_process(tmp_path, "--epochs", "3", "--resume", str(last))
+    assert resumed.run_dir == str(tmp_path / "interrupted")  # same run continues
+    train_worker(resumed, WorkerEnv(), LocalSync(), NullLogger())
+
+    a = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt")
+    b = checkpoint.load(last)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (3, 30)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    momentum_a = a["optimizer"]["state"]
+    momentum_b = b["optimizer"]["state"]
+    assert momentum_a.keys() == momentum_b.keys()
+    for key in momentum_a:
+        assert torch.equal(momentum_a[key]["momentum_buffer"], momentum_b[key]["momentum_buffer"])
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 30
+
+
+@pytest.mark.gpu
+def test_training_on_the_gpu_uses_bf16_and_learns(tmp_path):
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "--device", "cuda", "--epochs", "4",
+                        "--run-name", "gpu", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    epochs = [r for r in records(tmp_path / "runs" / "gpu") if "val/top1" in r]
+    assert epochs[-1]["val/top1"] >= 0.6
