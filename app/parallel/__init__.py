@@ -1,0 +1,98 @@
+"""How replicas agree: the GradientSync interface the training loop calls once per step.
+
+    with sync.step(weight) as loss_scale:      # weight = images this worker has in the step
+        (loss * loss_scale).backward()          # buckets may leave while backward runs
+    total = sync.finish_step()                  # .grad now holds the weighted average
+    if total: optimizer.step()                  # total = images over all workers (0: skip)
+
+Implementations: LocalSync (one worker), ParameterServerSync (app/parallel/ps_worker.py) and
+AllReduceSync (app/parallel/allreduce.py). The loop never needs to know which one it has.
+Averages are weighted by image counts, so N workers x batch b compute exactly what one worker
+with batch N*b would, short last batches and skipped images included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from app.parallel.watch import SyncFailure
+
+
+class GradientSync(Protocol):
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Make replicas identical before the first step; returns the module to train."""
+
+    def step(self, weight: int) -> contextlib.AbstractContextManager[float]:
+        """Wraps forward + backward of one step; yields the factor to multiply the loss by."""
+
+    def finish_step(self) -> int:
+        """Wait until every .grad holds the average over workers (weighted by images);
+        returns the total image count (0: nobody had images, skip the step)."""
+
+    def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of a small tensor over workers (metrics: counts, not means)."""
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every worker's `value` (small, picklable), in rank order."""
+
+    def average_buffers(self, model: nn.Module) -> None:
+        """Average floating-point buffers (BatchNorm running statistics) over replicas."""
+
+    def close(self) -> None: ...
+
+
+class LocalSync:
+    """A single worker: nothing to agree on."""
+
+    def __init__(self):
+        self.weight = 0
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    @contextlib.contextmanager
+    def step(self, weight: int) -> Iterator[float]:
+        self.weight = weight
+        yield 1.0
+
+    def finish_step(self) -> int:
+        return self.weight
+
+    def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def average_buffers(self, model: nn.Module) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers replicas must agree on by averaging (running mean/var, not counters)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def weights_checksum(model: nn.Module) -> np.ndarray:
+    """Per-tensor sum and sum of squares in float64: cheap, and any drift shows. A numpy array,
+    so it can travel between processes by value."""
+    params = [p.detach().double() for p in model.parameters()]
+    return torch.stack([torch.stack([p.sum(), p.square().sum()]) for p in params]).cpu().numpy()
+
+
+def compare_checksums(step: int, checksums: list[np.ndarray], names: list[str]) -> None:
+    """Replicas must be bit-identical; name the first parameter where one is not."""
+    for rank, checksum in enumerate(checksums):
+        differs = np.flatnonzero((checksum != checksums[0]).any(axis=1)).tolist()
+        if differs:
+            raise SyncFailure(
+                f"replicas diverged at step {step}: worker {rank} differs from worker 0 in "
+                f"{len(differs)} of {len(names)} parameter tensors (first: {names[differs[0]]})")

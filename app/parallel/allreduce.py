@@ -1,0 +1,125 @@
+"""All-reduce through torch.distributed: DistributedDataParallel (NCCL on GPUs, gloo on CPU).
+
+Started by the driver on loopback, or by torchrun for several machines. Host-side numbers
+(image counts, skipped-image lists) travel over a separate gloo group so they never wait on
+the GPU stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from app.devices import WorkerEnv
+from app.parallel import compare_checksums, float_buffers, weights_checksum
+
+
+def backend_for(devices: list[str]) -> str:
+    """NCCL needs one GPU per process; CPU workers and several workers on one GPU use gloo."""
+    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "gloo"
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """Buffers are synced once at construction, never in forward. torch 2.14 renamed the
+    option (forward_sync_buffers); older releases, like the GPU machine's 2.11, only know
+    broadcast_buffers."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def init_distributed(env: WorkerEnv, backend: str, init_method: str, timeout_s: float) -> None:
+    if env.device.startswith("cuda"):
+        torch.cuda.set_device(env.device)
+    dist.init_process_group(backend, init_method=init_method, rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+
+
+class AllReduceSync:
+    def __init__(self, env: WorkerEnv, bucket_mb: float, check_every: int):
+        self.env = env
+        self.bucket_mb = bucket_mb
+        self.check_every = check_every
+        self.host_group = dist.new_group(backend="gloo")
+        self.total = 0
+        self.someone_empty = False
+        self.step_index = 0
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        # DDP broadcasts rank 0's parameters and buffers here, so replicas start identical.
+        # broadcast_buffers=False: BatchNorm statistics are averaged explicitly before
+        # evaluation and saving (and rank-0-only evaluation cannot hang on a broadcast).
+        device_ids = [torch.device(self.env.device).index] if self.env.device.startswith(
+            "cuda") else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids,
+                                           bucket_cap_mb=self.bucket_mb,
+                                           gradient_as_bucket_view=True, **no_forward_buffer_sync())
+        return self.ddp
+
+    @contextlib.contextmanager
+    def step(self, weight: int) -> Iterator[float]:
+        if self.step_index and self.step_index % self.check_every == 0:
+            self.check_replicas()
+        self.step_index += 1
+        weights = self.gather(weight)
+        self.total = sum(weights)
+        # DDP averages over workers; scaling each loss by n_w x N / total turns that into the
+        # image-weighted average (the factor is exactly 1.0 when all batches are full).
+        scale = weight * self.env.world_size / self.total if self.total else 0.0
+        self.someone_empty = min(weights) == 0
+        if self.someone_empty:  # a worker without images cannot run DDP's backward
+            with self.ddp.no_sync():
+                yield scale
+        else:
+            yield scale
+
+    def finish_step(self) -> int:
+        if self.someone_empty and self.total:
+            params = list(self.ddp.module.parameters())
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in params])
+            dist.all_reduce(flat)
+            flat.div_(self.env.world_size)
+            for param, values in zip(params, flat.split([p.numel() for p in params])):
+                param.grad = values.view_as(param).clone()
+        return self.total
+
+    def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        result = tensor.clone()
+        dist.all_reduce(result)
+        return result
+
+    def gather(self, value: Any) -> list[Any]:
+        values: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(values, value, group=self.host_group)
+        return values
+
+    def average_buffers(self, model: nn.Module) -> None:
+        buffers = float_buffers(model)
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.all_reduce(flat)
+        flat.div_(self.env.world_size)
+        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers])):
+            buffer.copy_(values.view_as(buffer))
+
+    def check_replicas(self) -> None:
+        """DDP keeps replicas identical by construction; this checks that it did."""
+        model = self.ddp.module
+        compare_checksums(self.step_index, self.gather(weights_checksum(model)),
+                          [name for name, _ in model.named_parameters()])
+
+    def close(self) -> None:
+        self.check_replicas()
+        if dist.is_initialized():
+            dist.destroy_process_group()

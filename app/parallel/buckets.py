@@ -1,0 +1,100 @@
+"""Gradients as a few flat buckets, filled in the order backward produces them.
+
+Parameters are grouped in reverse registration order (close to the order backward reaches
+them) into buckets of about `bucket_mb`; a hook on each parameter notices when the last
+gradient of a bucket has been accumulated, so that bucket can be handed over while backward
+goes on with the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Which parameters (by index in model.parameters()) go into which bucket."""
+    buckets: tuple[tuple[int, ...], ...]
+    numels: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def for_params(cls, params: list[torch.Tensor], bucket_mb: float) -> "BucketLayout":
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters of several dtypes ({dtypes}) are not supported")
+        limit = bucket_mb * 2**20
+        buckets, current, size = [], [], 0
+        for index in reversed(range(len(params))):
+            current.append(index)
+            size += params[index].numel() * params[index].element_size()
+            if size >= limit:
+                buckets.append(tuple(current))
+                current, size = [], 0
+        if current:
+            buckets.append(tuple(current))
+        numels = tuple(tuple(params[i].numel() for i in bucket) for bucket in buckets)
+        return cls(tuple(buckets), numels, dtypes.pop())
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def allocate(self, device: torch.device | str, shared: bool) -> list[torch.Tensor]:
+        """Zeroed flat buffers; `shared` puts CPU ones into shared memory so another process
+        can map them (CUDA tensors are shared through CUDA IPC when sent to a process)."""
+        buffers = [torch.zeros(sum(n), dtype=self.dtype, device=device) for n in self.numels]
+        if shared and torch.device(device).type == "cpu":
+            buffers = [b.share_memory_() for b in buffers]
+        return buffers
+
+    def pack(self, bucket: int, params: list[torch.Tensor], out: torch.Tensor, scale: float
+             ) -> None:
+        """out = scale x the bucket's gradients, flattened (zeros where a grad is missing)."""
+        views = out.split(self.numels[bucket])
+        for view, index in zip(views, self.buckets[bucket]):
+            grad = params[index].grad
+            if grad is None:
+                view.zero_()
+            else:
+                torch.mul(grad.reshape(-1), scale, out=view)
+
+    def unpack(self, bucket: int, params: list[torch.Tensor], source: torch.Tensor) -> None:
+        """Copy a flat averaged bucket into the parameters' .grad."""
+        for view, index in zip(source.split(self.numels[bucket]), self.buckets[bucket]):
+            param = params[index]
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+            param.grad.copy_(view.view_as(param))
+
+
+class BucketHooks:
+    """Calls `on_ready(bucket)` as soon as every gradient of a bucket has been accumulated."""
+
+    def __init__(self, model: nn.Module, layout: BucketLayout, on_ready: Callable[[int], None]):
+        self.layout = layout
+        self.on_ready = on_ready
+        self.pending = [len(b) for b in layout.buckets]
+        self.handles = []
+        params = list(model.parameters())
+        for bucket, members in enumerate(layout.buckets):
+            for index in members:
+                self.handles.append(params[index].register_post_accumulate_grad_hook(
+                    self._hook(bucket)))
+
+    def _hook(self, bucket: int):
+        def hook(_param: torch.Tensor) -> None:
+            self.pending[bucket] -= 1
+            if self.pending[bucket] == 0:
+                self.on_ready(bucket)
+        return hook
+
+    def reset(self) -> None:
+        self.pending = [len(b) for b in self.layout.buckets]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,121 @@
+"""A worker's side of the parameter server: hand buckets over during backward, wait for the
+averages, keep replicas honest with a periodic checksum."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from app.devices import WorkerEnv
+from app.parallel import float_buffers, weights_checksum
+from app.parallel.buckets import BucketHooks, BucketLayout
+from app.parallel.ps_server import ServerLinks
+from app.parallel.watch import SyncFailure, Watch
+
+
+class ParameterServerSync:
+    def __init__(self, links: ServerLinks, env: WorkerEnv, watch: Watch, bucket_mb: float,
+                 check_every: int):
+        self.links = links
+        self.env = env
+        self.watch = watch
+        self.bucket_mb = bucket_mb
+        self.check_every = check_every
+        self.outbox = links.outboxes[env.rank]
+        self.step_index = 0  # steps since this process started (keys the messages)
+        self.reduce_index = 0
+        self.weight = 0
+        self.handed_over: set[int] = set()
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Register our gradient buckets, then take the server's initial weights."""
+        self.model = model
+        self.params = list(model.parameters())
+        self.layout = BucketLayout.for_params(self.params, self.bucket_mb)
+        self.buckets = self.layout.allocate(self.env.device, shared=True)
+        names = [name for name, _ in model.named_parameters()]
+        # Worker 0's weights (a restored checkpoint included) are what the server broadcasts.
+        state = ({k: v.detach().cpu().clone().share_memory_()
+                  for k, v in model.state_dict().items()} if self.env.rank == 0 else None)
+        self.links.inbox.put(("register", self.env.rank, os.getpid(), self.buckets, names, state))
+        _, server_pid, self.averages, initial = self.receive("hello")
+        self.watch.peers["parameter server"] = server_pid
+        model.load_state_dict(initial)  # copies into this replica's own tensors and device
+        self.hooks = BucketHooks(model, self.layout, self.hand_over)
+        return model
+
+    @contextlib.contextmanager
+    def step(self, weight: int) -> Iterator[float]:
+        if self.step_index and self.step_index % self.check_every == 0:
+            self.send_checksum()
+        self.weight = weight
+        self.handed_over = set()
+        self.hooks.reset()
+        yield 1.0  # the weighting happens when buckets are packed
+
+    def hand_over(self, bucket: int) -> None:
+        """Called from backward (autograd's thread) when a bucket's gradients are complete."""
+        self.layout.pack(bucket, self.params, self.buckets[bucket], float(self.weight))
+        if self.buckets[bucket].is_cuda:  # the server reads it from another process
+            torch.cuda.synchronize(self.buckets[bucket].device)
+        self.handed_over.add(bucket)
+        self.links.inbox.put(("grads", self.env.rank, self.step_index, bucket, self.weight))
+
+    def finish_step(self) -> int:
+        for bucket in range(len(self.layout)):
+            if bucket not in self.handed_over:  # no backward here, or unused parameters
+                self.hand_over(bucket)
+        total = 0
+        for _ in range(len(self.layout)):
+            _, step, bucket, total = self.receive("avg")
+            if step != self.step_index:
+                raise SyncFailure(f"worker {self.env.rank} expected step {self.step_index}, "
+                                  f"the server answered for step {step}")
+            self.layout.unpack(bucket, self.params, self.averages[bucket])
+        self.step_index += 1
+        return total
+
+    def send_checksum(self) -> None:
+        """The weights after `step_index` updates; the server compares them across workers
+        without making anybody wait."""
+        self.links.inbox.put(("checksum", self.env.rank, self.step_index,
+                              weights_checksum(self.model)))
+
+    def reduce(self, op: str, payload: Any) -> Any:
+        key = self.reduce_index
+        self.reduce_index += 1
+        self.links.inbox.put(("reduce", self.env.rank, key, op, payload))
+        _, answered, result = self.receive("reduced")
+        if answered != key:
+            raise SyncFailure(f"worker {self.env.rank}: reduction {key} answered as {answered}")
+        return result
+
+    def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = self.reduce("sum", tensor.detach().cpu().numpy())
+        return torch.as_tensor(total, dtype=tensor.dtype, device=tensor.device)
+
+    def gather(self, value: Any) -> list[Any]:
+        return self.reduce("gather", value)
+
+    def average_buffers(self, model: nn.Module) -> None:
+        buffers = float_buffers(model)
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).double().cpu() for b in buffers]).numpy()
+        averaged = torch.from_numpy(self.reduce("mean", flat)).split([b.numel() for b in buffers])
+        for buffer, values in zip(buffers, averaged):
+            buffer.copy_(values.view_as(buffer))
+
+    def receive(self, kind: str) -> tuple:
+        message = self.watch.receive(self.outbox, f"'{kind}' from the parameter server")
+        if message[0] != kind:
+            raise SyncFailure(f"worker {self.env.rank} expected '{kind}', got '{message[0]}'")
+        return message
+
+    def close(self) -> None:
+        self.send_checksum()  # replicas must also agree at the very end
+        self.links.inbox.put(("done", self.env.rank))

@@ -1,0 +1,93 @@
+"""Liveness: no blocking wait without a timeout and a check that the other side still lives.
+
+Linux specifics (/proc, prctl) are used where they make failure handling reliable; elsewhere
+the checks degrade to os.kill(pid, 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+
+POLL_S = 0.5  # how often a blocked wait looks at its peers
+PR_SET_PDEATHSIG = 1
+
+
+class SyncFailure(RuntimeError):
+    """A peer died, stopped answering, or replicas diverged; the message is one line."""
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies, so no child outlives a
+    killed driver (Linux; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def is_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their DataLoader workers, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass
+class Watch:
+    """Receives from a queue, checking every POLL_S that the driver and the peers live."""
+    peers: dict[str, int] = field(default_factory=dict)  # name -> pid
+    parent: int = field(default_factory=os.getppid)
+    timeout_s: float = 1800.0
+
+    def receive(self, source: "queue.Queue", waiting_for: str):
+        started = time.monotonic()
+        while True:
+            try:
+                return source.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+            self.check()
+            if time.monotonic() - started > self.timeout_s:
+                raise SyncFailure(f"no {waiting_for} for {self.timeout_s:.0f} s although every "
+                                  "process is alive (raise --sync-timeout if this is expected)")
+
+    def check(self) -> None:
+        if os.getppid() != self.parent:
+            raise SyncFailure("the driver process is gone")
+        for name, pid in self.peers.items():
+            if not is_alive(pid):
+                raise SyncFailure(f"{name} (pid {pid}) is gone")

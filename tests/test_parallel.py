@@ -1,0 +1,228 @@
+"""Data parallelism with real worker processes on CPU: equivalence, training, failures."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from app import checkpoint
+from app.parallel.launcher import free_port
+from app.parallel.watch import is_alive
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+
+CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
+# float64, GroupNorm (independent of the batch split), no augmentation randomness differences:
+# the LOC CSV index has 141 images, so 2 workers x 5 end each epoch with a 1-image step in
+# which worker 1 has nothing: the weighted average and the empty-worker path are exercised.
+EXACT = ("-a", "test_resnet", "--norm", "group", "--dtype", "float64", "--amp", "off",
+         "--train-index", "csv", "--image-size", "32", "-j", "0", "--lr", "0.4",
+         "--warmup-epochs", "0", "--epochs", "1", "-p", "100", "--check-every", "1")
+
+
+def weights(run_dir):
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in a)
+    den = sum((a[k].double() ** 2).sum() for k in a)
+    return float((num / den).sqrt())
+
+
+@pytest.fixture(scope="module")
+def one_worker_reference(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("reference")
+    result = run_driver(*CATALOG, *EXACT, "-b", "10", "--run-name", "one", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return weights(cwd / "runs" / "one")
+
+
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_two_workers_match_one_worker_with_twice_the_batch(one_worker_reference, tmp_path,
+                                                           sync):
+    result = run_driver(*CATALOG, *EXACT, "-b", "5", "--devices", "cpu,cpu", "--sync", sync,
+                        "--run-name", "two", cwd=tmp_path)
+    # --check-every 1: the replicas' checksums were compared after every step and at the end;
+    # any difference would have stopped the run.
+    assert result.returncode == 0, result.stderr
+    two = weights(tmp_path / "runs" / "two")
+    reference = one_worker_reference
+    assert two["step"] == reference["step"] == 15
+    assert relative_difference(reference["model"], two["model"]) < 1e-9
+    assert reference["model"]["fc.weight"].dtype == torch.float64
+    moved = relative_difference(reference["model"], {k: torch.zeros_like(v) for k, v in
+                                                      reference["model"].items()})
+    assert moved == pytest.approx(1.0)  # sanity: the metric is not trivially zero
+
+
+@pytest.mark.parametrize("sync, loader_workers", [("ps", "1"), ("allreduce", "0")])
+def test_two_workers_train_the_tiny_sample(tmp_path, sync, loader_workers):
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", loader_workers,
+                        "--epochs", "4", "--devices", "cpu,cpu", "--sync", sync,
+                        "--run-name", "dp", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in
+            (tmp_path / "runs" / "dp" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "val/top1" in r]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3, 4]  # one process logged, once per epoch
+    assert epochs[-1]["val/top1"] >= 0.6  # chance: 0.1
+    assert epochs[-1]["val/images"] == 100  # each val image counted once across workers
+    assert epochs[-1]["train/epoch_loss"] < 0.6 * epochs[0]["train/epoch_loss"]
+    assert result.stdout.count("val top-1") == 4
+    state = weights(tmp_path / "runs" / "dp")
+    assert state["step"] == 4 * 10  # 320 images / (2 x 16) per step
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if marker.encode() in handle.read() and is_alive(int(entry)):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def start_driver(tmp_path, *args):
+    """A driver in the background, marked so that every process it starts can be found."""
+    marker = f"IMAGENET_DP_TEST={uuid.uuid4()}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, *TINY_TRAIN_FLAGS, "-b", "4",
+         "--epochs", "50", "-p", "1", "--devices", "cpu,cpu", "--run-name", "long", *args],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return process, marker
+
+
+def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -> None:
+    metrics = tmp_path / "runs" / "long" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError("training did not start in time")
+
+
+def worker_pids(stderr_text: str) -> dict[str, int]:
+    line = next(l for l in stderr_text.splitlines() if "started" in l)
+    parts = line.split(": ", 2)[2].split(", ")
+    return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
+
+
+def read_started_line(process) -> str:
+    lines = []
+    while True:
+        line = process.stderr.readline()
+        lines.append(line)
+        if "started" in line or not line:
+            return "".join(lines)
+
+
+@pytest.mark.parametrize("sync, victim", [("ps", "worker 1 (cpu)"),
+                                          ("ps", "parameter server (cpu)"),
+                                          ("allreduce", "worker 1 (cpu)")])
+def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, victim):
+    process, marker = start_driver(tmp_path, "--sync", sync, "-j", "1")
+    started = read_started_line(process)
+    pids = worker_pids(started)
+    wait_for_training(tmp_path, process)
+    os.kill(pids[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = process.wait(timeout=30)
+    elapsed = time.monotonic() - killed_at
+    stderr = process.stderr.read()
+    assert code != 0
+    assert elapsed < 10
+    assert f"error: {victim} was killed by SIGKILL" in stderr
+    time.sleep(0.5)
+    assert processes_with(marker) == []  # no orphans: workers, server, loader workers
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_driver_stops_every_process(tmp_path, stop):
+    process, marker = start_driver(tmp_path, "--sync", "ps", "-j", "1")
+    read_started_line(process)
+    wait_for_training(tmp_path, process)
+    assert len(processes_with(marker)) >= 4  # driver, server, 2 workers (+ loader workers)
+    process.send_signal(stop)
+    assert process.wait(timeout=15) == 128 + stop
+    assert f"stopped by {stop.name}" in process.stderr.read()
+    time.sleep(0.5)
+    assert processes_with(marker) == []
+
+
+def test_a_user_error_in_a_worker_is_reported_as_one(tmp_path):
+    flags = [*CATALOG, *TINY_TRAIN_FLAGS, "--epochs", "1", "--run-name", "r"]
+    assert run_driver(*flags, cwd=tmp_path).returncode == 0
+    result = run_driver(*flags, "-a", "resnet18", "--resume", "auto", "--epochs", "2",
+                        "--devices", "cpu,cpu", cwd=tmp_path)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: worker ") and "does not fit this model" in last
+
+
+def test_gpus_without_a_gpu_suggests_cpu_devices(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_driver(*CATALOG, "--gpus", "2", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "no CUDA GPU found" in result.stderr and "--devices cpu,cpu" in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was created for a run that cannot start
+
+
+def test_torchrun_starts_allreduce_workers_itself(one_worker_reference, tmp_path):
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; each driver process is a worker."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         str(REPO / "bin" / "driver.py"), *CATALOG, *EXACT, "-b", "5", "--device", "cpu",
+         "--run-name", "torchrun"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("val top-1") == 1  # only global rank 0 logs
+    launched = weights(tmp_path / "runs" / "torchrun")
+    assert launched["step"] == 15
+    assert relative_difference(one_worker_reference["model"], launched["model"]) < 1e-9
+
+
+def test_torchrun_needs_a_run_name(tmp_path):
+    result = run_driver(*CATALOG, cwd=tmp_path, timeout=60,
+                        env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert result.returncode == 2 and "under torchrun pass --run-name" in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_two_workers_sharing_one_gpu_match_one_worker(tmp_path, sync):
+    """CUDA IPC buckets (ps) and gloo-on-CUDA (allreduce, NCCL refuses a shared GPU)."""
+    flags = [*CATALOG, *EXACT, "--device", "cuda:0"]
+    one = run_driver(*flags, "-b", "10", "--run-name", "one", cwd=tmp_path)
+    two = run_driver(*flags, "-b", "5", "--devices", "cuda:0,cuda:0", "--sync", sync,
+                     "--run-name", "two", cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    difference = relative_difference(weights(tmp_path / "runs" / "one")["model"],
+                                     weights(tmp_path / "runs" / "two")["model"])
+    assert difference < 1e-9
+
+
+@pytest.mark.gpu
+def test_ps_on_the_gpu_trains_the_tiny_sample(tmp_path):
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "--epochs", "4",
+                        "--devices", "cuda:0,cuda:0", "--sync", "ps", "--run-name", "gpu",
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in
+            (tmp_path / "runs" / "gpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if "val/top1" in r][-1]["val/top1"] >= 0.6
