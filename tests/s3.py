@@ -1,0 +1,149 @@
+"""Real S3 parts for the tests: moto_server (an S3-compatible HTTP server) on loopback, and a
+small HTTP proxy in front of it that adds latency and fails requests on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import boto3
+from aiohttp import web
+
+# Dummy credentials for the standard AWS chain; tests assert they never reach run outputs.
+ACCESS_KEY = "AKIAIMAGENETDPTEST01"
+SECRET_KEY = "imagenet-dp-test-secret-must-never-be-logged"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+class MotoServer:
+    """`moto_server` in its own process: a real S3 endpoint on http://127.0.0.1:PORT."""
+
+    def __init__(self):
+        self.port = free_port()
+        executable = Path(sys.executable).with_name("moto_server")
+        self.process = subprocess.Popen([str(executable), "-H", "127.0.0.1", "-p", str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self):
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> str:
+        client = self.client()
+        client.create_bucket(Bucket=bucket)
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
+        return f"s3://{bucket}/{prefix}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+COUNTS_PATH = "/__proxy_counts__"
+
+
+class FaultyProxy:
+    """An HTTP proxy on loopback, in its own process (so it takes no CPU time from the process
+    under test): every request waits `latency_s`; a `fail_fraction` of them is answered
+    503 SlowDown, a `drop_fraction` gets its connection closed without an answer, and keys
+    containing one of `always_fail` always get a 503."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.0, fail_fraction: float = 0.0,
+                 drop_fraction: float = 0.0, always_fail: tuple[str, ...] = (), seed: int = 0):
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(self.port), upstream, str(latency_s),
+             str(fail_fraction), str(drop_fraction), str(seed), *always_fail])
+        wait_for_port(self.port)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with urllib.request.urlopen(self.endpoint + COUNTS_PATH, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float,
+                drop_fraction: float, seed: int, always_fail: list[str]) -> None:
+    chance = random.Random(seed)
+    counts = {"requests": 0, "failed": 0, "dropped": 0}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == COUNTS_PATH:
+            return web.json_response(counts)
+        counts["requests"] += 1
+        body = await request.read()
+        if latency_s:
+            await asyncio.sleep(latency_s)
+        roll = chance.random()
+        if any(key in request.path for key in always_fail) or roll < fail_fraction:
+            counts["failed"] += 1
+            return web.Response(status=503, content_type="application/xml", text=(
+                "<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
+                "</Message></Error>"))
+        if roll < fail_fraction + drop_fraction:
+            counts["dropped"] += 1
+            request.transport.close()  # the client sees the connection reset
+            return web.Response(status=500)
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with app["session"].request(request.method, upstream + request.path_qs,
+                                          headers=headers, data=body) as answer:
+            payload = await answer.read()
+            # aiohttp sets Content-Length from the body, except for HEAD, whose answer has no
+            # body but must still say how large the object is.
+            dropped = ("transfer-encoding", "connection") + (
+                () if request.method == "HEAD" else ("content-length",))
+            keep = {k: v for k, v in answer.headers.items() if k.lower() not in dropped}
+            return web.Response(status=answer.status, body=payload or None, headers=keep)
+
+    async def open_session(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    app = web.Application(client_max_size=2**30)
+    app.cleanup_ctx.append(open_session)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+if __name__ == "__main__":
+    port, upstream, latency, fail, drop, seed, *keys = sys.argv[1:]
+    serve_proxy(int(port), upstream, float(latency), float(fail), float(drop), int(seed), keys)
