@@ -103,12 +103,20 @@ class FaultyProxy:
 def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float,
                 drop_fraction: float, seed: int, always_fail: list[str]) -> None:
     chance = random.Random(seed)
-    counts = {"requests": 0, "failed": 0, "dropped": 0}
+    counts = {"requests": 0, "failed": 0, "dropped": 0, "in_flight": 0, "most_in_flight": 0}
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == COUNTS_PATH:
             return web.json_response(counts)
         counts["requests"] += 1
+        counts["in_flight"] += 1
+        counts["most_in_flight"] = max(counts["most_in_flight"], counts["in_flight"])
+        try:
+            return await answer(request)
+        finally:
+            counts["in_flight"] -= 1
+
+    async def answer(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if latency_s:
             await asyncio.sleep(latency_s)
@@ -124,14 +132,15 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
             return web.Response(status=500)
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
         async with app["session"].request(request.method, upstream + request.path_qs,
-                                          headers=headers, data=body) as answer:
-            payload = await answer.read()
+                                          headers=headers, data=body) as upstream_answer:
+            payload = await upstream_answer.read()
             # aiohttp sets Content-Length from the body, except for HEAD, whose answer has no
             # body but must still say how large the object is.
             dropped = ("transfer-encoding", "connection") + (
                 () if request.method == "HEAD" else ("content-length",))
-            keep = {k: v for k, v in answer.headers.items() if k.lower() not in dropped}
-            return web.Response(status=answer.status, body=payload or None, headers=keep)
+            keep = {k: v for k, v in upstream_answer.headers.items() if k.lower() not in dropped}
+            return web.Response(status=upstream_answer.status, body=payload or None,
+                                headers=keep)
 
     async def open_session(app: web.Application) -> None:
         app["session"] = aiohttp.ClientSession(auto_decompress=False)
