@@ -42,7 +42,7 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int
 
 class WarmupSchedule:
     """LR factor per optimizer step: linear warmup, then cosine to zero or step decay.
-    A plain object (not a closure) so LambdaLR can save and restore it in checkpoints."""
+    Built from the config on every start; checkpoints hold only the position in it."""
 
     def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int):
         self.kind = config.schedule
@@ -65,3 +65,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
                     epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupSchedule(config, steps_per_epoch, epochs))
+
+
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Continue at the saved step, on the schedule of the current config: a run resumed with
+    more --epochs stretches its cosine instead of staying at the old end (zero)."""
+    schedules = scheduler.lr_lambdas
+    scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(schedules)})  # None: keep ours
+    for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                     schedules):
+        group["lr"] = base * schedule(scheduler.last_epoch)

@@ -5,7 +5,8 @@ import torch
 
 from app.config import OptimConfig
 from app.models import create_model
-from app.optim import WarmupSchedule, build_optimizer, param_groups, scaled_lr
+from app.optim import (WarmupSchedule, build_optimizer, build_scheduler, param_groups,
+                       restore_scheduler, scaled_lr)
 
 
 def test_no_weight_decay_on_norm_and_bias_parameters():
@@ -52,3 +53,26 @@ def test_step_schedule():
     schedule = WarmupSchedule(OptimConfig(schedule="step", warmup_epochs=0, step_epochs=3,
                                           step_gamma=0.1), steps_per_epoch=5, epochs=9)
     assert [schedule(s) for s in (0, 14, 15, 29, 30)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+
+
+def run_steps(scheduler, steps):
+    for _ in range(steps):
+        scheduler.optimizer.step()
+        scheduler.step()
+
+
+def test_a_resume_keeps_the_position_and_follows_the_current_schedule():
+    model = create_model("test_resnet", 10)
+    config = OptimConfig(warmup_epochs=0)
+    short = build_scheduler(build_optimizer(model, config, 256), config, 10, epochs=1)
+    run_steps(short, 7)
+    same = build_scheduler(build_optimizer(model, config, 256), config, 10, epochs=1)
+    restore_scheduler(same, short.state_dict())
+    assert same.last_epoch == 7
+    assert same.optimizer.param_groups[0]["lr"] == short.optimizer.param_groups[0]["lr"]
+    # Resumed with --epochs 2: the cosine is stretched, not left at the old end.
+    run_steps(short, 3)
+    assert short.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    longer = build_scheduler(build_optimizer(model, config, 256), config, 10, epochs=2)
+    restore_scheduler(longer, short.state_dict())
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)
