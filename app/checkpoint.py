@@ -88,13 +88,14 @@ def save(path: str | Path, payload: dict[str, Any]) -> None:
         os.close(folder)
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint with weights_only=True (no arbitrary code runs while loading)."""
+def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint with weights_only=True (no arbitrary code runs while loading).
+    mmap=True reads tensors lazily: cheap when only the small entries are needed."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; check the --resume path")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError) as error:
         first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
         raise UserError(f"checkpoint {path} is truncated, corrupt or not an imagenet-dp "

@@ -118,8 +118,20 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    loggers: list[str] = param(["console"], "comma-separated loggers: console, jsonl is always on",
-                               "--logger")
+    loggers: list[str] = param(
+        ["console"], "comma-separated loggers: console, wandb (metrics.jsonl and curves.png are "
+        "always written)", "--logger", choices=("console", "wandb", "jsonl"))
+    # Empty wandb settings defer to wandb's own environment variables (WANDB_PROJECT, ...).
+    wandb_project: str = param("", "wandb project (default: $WANDB_PROJECT, else imagenet-dp)",
+                               "--wandb-project")
+    wandb_entity: str = param("", "wandb entity, a user or team (default: $WANDB_ENTITY)",
+                              "--wandb-entity")
+    wandb_mode: str = param("", "wandb mode (default: $WANDB_MODE, else online)",
+                            "--wandb-mode", choices=("", "online", "offline", "disabled"))
+    wandb_tags: list[str] = param([], "comma-separated wandb tags (default: $WANDB_TAGS)",
+                                  "--wandb-tags")
+    save_weights_every: int = param(
+        0, "log last.pt as a wandb artifact every N epochs; 0 = never", "--save-weights-every")
 
 
 @dataclass(kw_only=True)
@@ -182,8 +194,9 @@ def _coerce(value: Any, kind: Any, where: str, choices: tuple | None) -> Any:
             value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise UserError(f"{where}: expected a list of strings, got {value!r}")
-    if choices and value not in choices:
-        raise UserError(f"{where}: must be one of {', '.join(choices)}, got {value!r}")
+    for item in (value if isinstance(value, list) else [value]) if choices else []:
+        if item not in choices:
+            raise UserError(f"{where}: must be one of {', '.join(choices)}, got {item!r}")
     return value
 
 
@@ -233,8 +246,10 @@ def build_parser(prog: str = "driver.py", description: str = "") -> argparse.Arg
                 group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
                                    help=help_text)
             else:
-                group.add_argument(*flags, dest=dest, metavar=f.name.upper(),
-                                   choices=f.metadata["choices"], help=help_text)
+                # Lists ("console,wandb") are checked item by item in _coerce, not by argparse.
+                choices = None if typing.get_origin(kind) is list else f.metadata["choices"]
+                group.add_argument(*flags, dest=dest, metavar=f.name.upper(), choices=choices,
+                                   help=help_text)
     return parser
 
 

@@ -18,6 +18,7 @@ class TrainJob:
     image_size: int
     run_dir: str
     resume_from: str = ""  # a checkpoint path, or "" to start fresh
+    run_id: str = ""  # stable across resumes: names the run in wandb, stored in checkpoints
 
     @property
     def checkpoint_dir(self) -> Path:

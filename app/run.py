@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
+import string
 import time
 from pathlib import Path
 
@@ -52,11 +54,12 @@ def prepare_job(config: Config) -> TrainJob:
     image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.output_dir) / name
+    run_id = resumed_run_id(resume_from) or new_run_id()
     config = dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
         run=dataclasses.replace(config.run, name=name, resume=resume_from))
-    return TrainJob(config, root, tables, image_size, str(run_dir), resume_from)
+    return TrainJob(config, root, tables, image_size, str(run_dir), resume_from, run_id)
 
 
 def resolve_resume(config: Config) -> tuple[str, str]:
@@ -80,6 +83,22 @@ def resolve_resume(config: Config) -> tuple[str, str]:
             name = path.parent.parent.name
         return str(path), name
     return "", name
+
+
+def new_run_id() -> str:
+    """8 lowercase letters and digits, the shape of wandb's own run ids."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def resumed_run_id(checkpoint_path: str) -> str:
+    """The run id stored in the checkpoint we resume from ("" for a fresh start), so a resumed
+    run continues the same wandb run. Also rejects a broken checkpoint before any process
+    starts."""
+    if not checkpoint_path:
+        return ""
+    from app import checkpoint  # noqa: PLC0415 (imports torch: only when resuming)
+    return checkpoint.load(checkpoint_path, mmap=True).get("run_id", "")
 
 
 def write_run_folder(job: TrainJob) -> None:

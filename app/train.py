@@ -22,7 +22,7 @@ from app.evaluate import evaluate
 from app.job import TrainJob
 from app.loggers import Logger
 from app.models import create_model
-from app.optim import build_optimizer, build_scheduler
+from app.optim import build_optimizer, build_scheduler, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
 
@@ -100,6 +100,10 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
             save_checkpoints(parts, job, progress, metrics["val/top1"])
             write_skipped(job, skipped)
         logger.log_metrics(progress.step, metrics)
+        every = job.config.logging.save_weights_every
+        if every and progress.epoch % every == 0:
+            logger.log_artifact(job.checkpoint_dir / "last.pt", f"weights-{job.run_id}", "model",
+                                aliases=(f"epoch-{progress.epoch}",))
     return metrics
 
 
@@ -113,8 +117,9 @@ def train_one_epoch(parts: Parts, job: TrainJob, sync: GradientSync, progress: P
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device
     epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
     images = epoch_images = skipped = 0
-    tick = time.perf_counter()
+    tick = started = time.perf_counter()
     for index, batch in enumerate(parts.train_loader):
+        lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step uses
         loss, weight = train_step(parts, batch, sync)
         progress.step += 1
         loss_sum += loss * weight
@@ -127,9 +132,10 @@ def train_one_epoch(parts: Parts, job: TrainJob, sync: GradientSync, progress: P
             epoch_images += images
             logger.log_metrics(progress.step, {
                 "epoch": progress.epoch + 1, "train/loss": loss_sum.item() / max(images, 1),
-                "train/lr": parts.optimizer.param_groups[0]["lr"],
+                "train/lr": lr,
                 "train/images_per_sec": images * parts.train_batches.world_size / (now - tick),
-                "progress/epoch_step": index + 1, "progress/epoch_steps": steps})
+                "progress/epoch_step": index + 1, "progress/epoch_steps": steps,
+                "progress/epoch_time_s": now - started})
             loss_sum.zero_()
             images, tick = 0, now
     # One reduction per epoch: loss sum, images and skipped images over all workers.
@@ -170,7 +176,8 @@ def checkpoint_payload(parts: Parts, job: TrainJob, progress: Progress) -> dict:
         "arch": job.config.model.arch, "num_classes": job.tables.num_classes,
         "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler else {},
-        **asdict(progress), "config": job.config.to_dict(), "rng": checkpoint.rng_states()}
+        **asdict(progress), "config": job.config.to_dict(), "run_id": job.run_id,
+        "rng": checkpoint.rng_states()}
 
 
 def save_checkpoints(parts: Parts, job: TrainJob, progress: Progress, top1: float) -> None:
@@ -188,7 +195,7 @@ def restore(parts: Parts, path: str, progress: Progress) -> None:
     state = checkpoint.load(path)
     checkpoint.load_model_weights(parts.model, state["model"], path)
     parts.optimizer.load_state_dict(state["optimizer"])
-    parts.scheduler.load_state_dict(state["scheduler"])
+    restore_scheduler(parts.scheduler, state["scheduler"])
     if parts.scaler and state["scaler"]:
         parts.scaler.load_state_dict(state["scaler"])
     progress.epoch, progress.step = state["epoch"], state["step"]

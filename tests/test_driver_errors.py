@@ -84,6 +84,22 @@ def test_bad_config_key(capsys, tmp_path):
     assert "run.toml: unknown key `train.epoch`" in message
 
 
+def test_unknown_logger_is_rejected_before_training(capsys):
+    message = fail(capsys, "--catalog", str(REPO / "datasets.toml"), "--logger", "console,tb")
+    assert "flag --logger: logging.loggers: must be one of console, wandb, jsonl, got 'tb'" in message
+
+
+def test_wandb_without_credentials_online_says_what_to_do(tmp_path, tiny_sample, catalog_for):
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "WANDB_DIR": str(tmp_path),
+           "HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path)}
+    result = run_driver("--catalog", str(catalog_for(tiny_sample)), *TINY_TRAIN_FLAGS,
+                        "--epochs", "1", "--logger", "wandb", cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "wandb could not start the run" in result.stderr and "WANDB_MODE=offline" in \
+        result.stderr
+
+
 def test_resume_from_a_missing_checkpoint(capsys, tmp_path):
     message = fail(capsys, "--catalog", str(REPO / "datasets.toml"), "--resume",
                    str(tmp_path / "last.pt"))

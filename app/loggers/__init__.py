@@ -1,27 +1,30 @@
 """Pluggable run logging: a small protocol, backends chosen by name, several at once.
 
 Metric records are flat dicts. Keys used by the loop: `epoch`; per print interval `train/loss`,
-`train/lr`, `train/images_per_sec`, `progress/epoch_step(s)`; per epoch `train/epoch_loss`,
-`val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `train/skipped`.
+`train/lr`, `train/images_per_sec`, `progress/epoch_step(s)`, `progress/epoch_time_s`; per
+epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `train/skipped`.
+Only the primary process (rank 0) builds loggers; the others get a NullLogger.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from app.errors import UserError
+if TYPE_CHECKING:
+    from app.job import TrainJob
 
 
 class Logger(Protocol):
     def log_config(self, config: dict[str, Any]) -> None: ...
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
-    def log_artifact(self, path: str | Path, name: str, kind: str) -> None: ...
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None: ...
     def finish(self) -> None: ...
 
 
 class NullLogger:
-    """For workers that are not the primary: they compute metrics but never report them."""
+    """For workers that are not the primary, and the base of backends that ignore some calls."""
 
     def log_config(self, config: dict[str, Any]) -> None:
         pass
@@ -29,7 +32,8 @@ class NullLogger:
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
-    def log_artifact(self, path: str | Path, name: str, kind: str) -> None:
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None:
         pass
 
     def finish(self) -> None:
@@ -50,23 +54,31 @@ class Loggers(NullLogger):
         for backend in self.backends:
             backend.log_metrics(step, metrics)
 
-    def log_artifact(self, path: str | Path, name: str, kind: str) -> None:
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None:
         for backend in self.backends:
-            backend.log_artifact(path, name, kind)
+            backend.log_artifact(path, name, kind, aliases)
 
     def finish(self) -> None:
         for backend in self.backends:
             backend.finish()
 
 
-def build_loggers(names: list[str], run_dir: str | Path, epochs: int) -> Loggers:
-    """jsonl is always on (metrics.jsonl is part of every run's outputs)."""
-    from app.loggers.console import ConsoleLogger  # noqa: PLC0415
+def build_loggers(job: TrainJob) -> Loggers:
+    """metrics.jsonl and curves.png are always written (they are part of every run's outputs);
+    console and wandb are chosen with --logger. Backends are imported only when chosen: the
+    GPU machines may have no wandb."""
+    from app.loggers.curves import CurvesLogger  # noqa: PLC0415
     from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
-    factories = {"console": lambda: ConsoleLogger(epochs), "jsonl": lambda: None}
-    unknown = [n for n in names if n not in factories]
-    if unknown:
-        raise UserError(f"unknown logger '{unknown[0]}'; known: {', '.join(factories)}")
-    backends: list[Logger] = [JsonlLogger(Path(run_dir) / "metrics.jsonl")]
-    backends += [factories[name]() for name in dict.fromkeys(names) if name != "jsonl"]
+    names = job.config.logging.loggers  # checked against the choices when the config is read
+    run_dir = Path(job.run_dir)
+    # jsonl first: the curves are drawn from the file it has just appended to.
+    backends: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl"),
+                              CurvesLogger(run_dir / "metrics.jsonl", run_dir / "curves.png")]
+    if "console" in names:
+        from app.loggers.console import ConsoleLogger  # noqa: PLC0415
+        backends.append(ConsoleLogger(job.config.train.epochs))
+    if "wandb" in names:
+        from app.loggers.wandb_logger import WandbLogger  # noqa: PLC0415
+        backends.append(WandbLogger(job))
     return Loggers(backends)

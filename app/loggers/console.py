@@ -29,9 +29,11 @@ class ConsoleLogger(NullLogger):
     def _progress(self, m: dict[str, Any]) -> None:
         text = (f"loss {m['train/loss']:.4f}  lr {m['train/lr']:.4g}  "
                 f"{m['train/images_per_sec']:.0f} img/s")
-        if not self.interactive:
-            print(f"epoch {m['epoch']}/{self.epochs} [{m['progress/epoch_step']}/"
-                  f"{m['progress/epoch_steps']}]  {text}", file=self.stream, flush=True)
+        if not self.interactive:  # tqdm shows the ETA itself; plain lines need it spelled out
+            done, total = m["progress/epoch_step"], m["progress/epoch_steps"]
+            eta = m["progress/epoch_time_s"] / done * (total - done)
+            print(f"epoch {m['epoch']}/{self.epochs} [{done}/{total}]  {text}  "
+                  f"eta {tqdm.format_interval(eta)}", file=self.stream, flush=True)
             return
         if self.bar is None or self.bar_epoch != m["epoch"]:
             self._close_bar()

@@ -81,8 +81,7 @@ def train_process(job: TrainJob, env: WorkerEnv, connect: Callable[[WorkerEnv], 
     if env.device == "cpu":  # share the cores between the CPU workers instead of fighting
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
     sync = connect(env)
-    loggers = (build_loggers(job.config.logging.loggers, job.run_dir, job.config.train.epochs)
-               if env.is_primary else NullLogger())
+    loggers = build_loggers(job) if env.is_primary else NullLogger()
     try:
         if env.is_primary:
             loggers.log_config(job.config.to_dict())

@@ -1,0 +1,160 @@
+"""Run outputs: wandb (offline, read back from its own files), metrics.jsonl, curves.png, console."""
+
+import io
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from app import checkpoint
+from app.loggers.console import ConsoleLogger
+from app.loggers.redact import MASK, redact
+from app.plots import load_metrics
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+from wandb_records import config, history, of_kind, read_records
+
+CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"  # planted in the environment
+
+
+def wandb_run_dirs(wandb_dir):
+    return sorted((wandb_dir / "wandb").glob("offline-run-*"))
+
+
+def jsonl(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def wandb_runs(tmp_path_factory):
+    """Two workers log to wandb for 1 epoch; then the run is resumed for a 2nd epoch."""
+    cwd = tmp_path_factory.mktemp("wandb")
+    env = {"WANDB_DIR": str(cwd), "WANDB_MODE": "offline", "AWS_SECRET_ACCESS_KEY": SECRET,
+           "WANDB_API_KEY": SECRET[:40]}
+    common = (*CATALOG, *TINY_TRAIN_FLAGS, "--devices", "cpu,cpu", "--sync", "ps", "-b", "16",
+              "--run-name", "w", "-p", "4", "--logger", "console,wandb")
+    first = run_driver(*common, "--epochs", "1", "--save-weights-every", "1",
+                       "--wandb-tags", "smoke,ci", cwd=cwd, env=env)
+    assert first.returncode == 0, first.stderr
+    after_first = wandb_run_dirs(cwd)
+    resumed = run_driver(*common, "--epochs", "2", "--resume", "auto", cwd=cwd, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    return cwd, after_first, cwd / "runs" / "w"
+
+
+def test_wandb_records_the_metrics_and_config_of_one_run(wandb_runs):
+    cwd, after_first, run_dir = wandb_runs
+    assert len(after_first) == 1  # two workers, one wandb run
+    records = read_records(next(after_first[0].glob("*.wandb")))
+    rows = history(records)
+    epoch_record = [r for r in jsonl(run_dir) if "val/top1" in r][0]
+    logged = [r for r in rows if "val/top1" in r]
+    assert len(logged) == 1
+    assert logged[0]["val/top1"] == pytest.approx(epoch_record["val/top1"])
+    assert logged[0]["_step"] == epoch_record["step"]
+    train_steps = [r["step"] for r in jsonl(run_dir)[:len(rows)] if "train/loss" in r]
+    assert [r["_step"] for r in rows if "train/loss" in r] == train_steps
+    logged_config = config(records)
+    assert logged_config["model"]["arch"] == "test_resnet"
+    assert logged_config["parallel"]["devices"] == ["cpu", "cpu"]
+    run = of_kind(records, "run")[0]
+    assert list(run.tags) == ["smoke", "ci"] and run.display_name == "w"
+    artifacts = of_kind(records, "artifact")
+    assert [(a.type, a.name) for a in artifacts] == [("model", f"weights-{run.run_id}")]
+    assert "epoch-1" in artifacts[0].aliases
+
+
+def test_no_secret_reaches_wandb_or_the_run_folder(wandb_runs):
+    cwd, _, run_dir = wandb_runs
+    files = [p for p in [*cwd.joinpath("wandb").rglob("*"), *run_dir.rglob("*")] if p.is_file()]
+    assert len(files) > 10
+    leaked = [p for p in files if SECRET.encode() in p.read_bytes()
+              or SECRET[:40].encode() in p.read_bytes()]
+    assert leaked == []
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(wandb_runs):
+    cwd, after_first, run_dir = wandb_runs
+    both = wandb_run_dirs(cwd)
+    assert len(both) == 2  # wandb keeps one folder per session of the same run
+    ids = {of_kind(read_records(next(d.glob("*.wandb"))), "run")[0].run_id for d in both}
+    assert len(ids) == 1
+    run_id = ids.pop()
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["run_id"] == run_id
+    second = history(read_records(next((set(both) - set(after_first)).pop().glob("*.wandb"))))
+    first = history(read_records(next(after_first[0].glob("*.wandb"))))
+    assert min(r["_step"] for r in second) > max(r["_step"] for r in first)
+    assert [r["epoch"] for r in second if "val/top1" in r] == [2]
+
+
+def test_metrics_jsonl_holds_each_interval_and_epoch_with_growing_steps(wandb_runs):
+    _, _, run_dir = wandb_runs
+    records = jsonl(run_dir)
+    # 320 images / (2 x 16) = 10 steps per epoch; -p 4: steps 4, 8, 10, then the epoch record.
+    assert [(r["epoch"], r["step"], "val/top1" in r) for r in records] == [
+        (e, base + s, s == 10 and is_epoch) for e, base in ((1, 0), (2, 10))
+        for s, is_epoch in ((4, False), (8, False), (10, False), (10, True))]
+    assert all(0 < r["train/lr"] for r in records if "train/lr" in r)
+
+
+def test_curves_png_is_a_valid_png_of_the_run(wandb_runs):
+    _, _, run_dir = wandb_runs
+    data = (run_dir / "curves.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert width > 500 and height > 400
+
+
+def test_plot_compares_runs_and_rejects_a_folder_without_metrics(wandb_runs, tmp_path):
+    _, _, run_dir = wandb_runs
+    out = tmp_path / "compare.png"
+    ok = subprocess.run([sys.executable, str(REPO / "bin" / "plot.py"), str(run_dir),
+                         str(run_dir), "-o", str(out)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, str(REPO / "bin" / "plot.py"), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"error: cannot read {tmp_path / 'metrics.jsonl'}: No such file or directory; "
+        "is this a run folder?"]
+
+
+def test_load_metrics_keeps_the_latest_records_after_a_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "epoch": 1, "train/loss": float(s)} for s in (4, 8, 10)]
+    lines += [{"step": s, "epoch": 1, "train/loss": -float(s)} for s in (8, 10)]  # resumed at 4
+    path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 12, "ep')
+    frame = load_metrics(path)
+    assert frame["step"].tolist() == [4, 8, 10]
+    assert frame["train/loss"].tolist() == [4.0, -8.0, -10.0]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(Exception, match=r"metrics.jsonl:2: not a JSON record"):
+        load_metrics(path)
+
+
+def test_redact_masks_secret_names_and_url_credentials():
+    config = {"data": {"url": "s3://AKIA1:hunter2@bucket/x?X-Amz-Signature=abc#f",
+                       "aws_secret_access_key": "hunter2", "wandb_api_key": "k", "name": "ok"},
+              "tags": ["https://u:p@host/x", "plain"], "lr": 0.1, "empty_token": ""}
+    assert redact(config) == {
+        "data": {"url": f"s3://{MASK}@bucket/x?{MASK}#f", "aws_secret_access_key": MASK,
+                 "wandb_api_key": MASK, "name": "ok"},
+        "tags": [f"https://{MASK}@host/x", "plain"], "lr": 0.1, "empty_token": ""}
+
+
+def test_console_prints_progress_with_eta_and_an_epoch_summary():
+    stream = io.StringIO()
+    console = ConsoleLogger(epochs=3, stream=stream)
+    console.log_metrics(8, {"epoch": 2, "train/loss": 1.23456, "train/lr": 0.05,
+                            "train/images_per_sec": 512.4, "progress/epoch_step": 8,
+                            "progress/epoch_steps": 40, "progress/epoch_time_s": 20.0})
+    console.log_metrics(40, {"epoch": 2, "train/epoch_loss": 1.1, "val/top1": 0.5,
+                             "val/top5": 0.9, "val/loss": 1.4, "epoch/time_s": 101.0,
+                             "train/skipped": 2, "val/skipped": 1})
+    assert stream.getvalue().splitlines() == [
+        "epoch 2/3 [8/40]  loss 1.2346  lr 0.05  512 img/s  eta 01:20",
+        "epoch 2/3  train loss 1.1000  val top-1 0.5000  top-5 0.9000  loss 1.4000  "
+        "time 101.0s  skipped 3 images"]
