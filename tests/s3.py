@@ -43,9 +43,9 @@ class MotoServer:
 
     def __init__(self):
         self.port = free_port()
-        executable = Path(sys.executable).with_name("moto_server")
-        self.process = subprocess.Popen([str(executable), "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port)
 
     @property
