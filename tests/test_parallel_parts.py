@@ -4,6 +4,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -111,6 +112,41 @@ def test_a_wait_notices_a_dead_peer_quickly():
         watch.receive(queue.Queue(), "gradients")
     assert time.monotonic() - started < 3
     peer.wait()
+
+
+def test_a_worker_that_finished_may_exit_before_the_others():
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    links = links_for(2)
+    links.inbox.put(("done", 1))
+    # Worker 0 (this process) takes longer: it writes the final checkpoint.
+    threading.Timer(1.5, links.inbox.put, [("done", 0)]).start()
+    watch = Watch(peers={"worker 0": os.getpid(), "worker 1": finished.pid}, timeout_s=60)
+    syncgrads(links, watch, [[torch.zeros(1)], [torch.zeros(1)]], [torch.zeros(1)], ["w"])
+
+
+class ArrivesAfterTheTimeout(queue.Queue):
+    """The last message of a peer that exits right after sending: the timed get misses it."""
+
+    def __init__(self, message):
+        super().__init__()
+        self.message = message
+
+    def get(self, block=True, timeout=None):
+        if self.message is not None:
+            self.put(self.message)
+            self.message = None
+            raise queue.Empty
+        return super().get(block, timeout)
+
+
+def test_the_last_message_of_a_peer_that_exited_is_still_read():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    watch = Watch(peers={"worker 1": gone.pid}, timeout_s=60)
+    assert watch.receive(ArrivesAfterTheTimeout(("done", 1)), "gradients") == ("done", 1)
+    with pytest.raises(SyncFailure, match=r"worker 1 \(pid \d+\) is gone"):
+        watch.receive(queue.Queue(), "gradients")
 
 
 def test_a_wait_gives_up_after_its_timeout():

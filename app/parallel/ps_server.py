@@ -104,6 +104,7 @@ def syncgrads(links: ServerLinks, watch: Watch, worker_buckets: list[list[torch.
                 compare_checksums(step, [collected[r] for r in range(workers)], names)
         elif kind == "done":
             done.add(rank)
+            watch.peers.pop(f"worker {rank}", None)  # it may exit now: not a failure
         else:
             raise SyncFailure(f"unexpected message {kind!r} from worker {rank}")
 

@@ -80,7 +80,14 @@ class Watch:
                 return source.get(timeout=POLL_S)
             except queue.Empty:
                 pass
-            self.check()
+            try:
+                self.check()
+            except SyncFailure as failure:
+                # A peer may have sent its last message and exited since the get timed out.
+                try:
+                    return source.get_nowait()
+                except queue.Empty:
+                    raise failure from None
             if time.monotonic() - started > self.timeout_s:
                 raise SyncFailure(f"no {waiting_for} for {self.timeout_s:.0f} s although every "
                                   "process is alive (raise --sync-timeout if this is expected)")
