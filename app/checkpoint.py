@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ def save(path: str | Path, payload: dict[str, Any]) -> None:
     A crash at any point leaves either the old or the new checkpoint, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary(path)
     try:
         with open(temporary, "wb") as handle:
             torch.save({"format": FORMAT, **to_cpu(payload)}, handle)
@@ -81,11 +82,62 @@ def save(path: str | Path, payload: dict[str, Any]) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _fsync_folder(folder: Path) -> None:
+    handle = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)
+        os.fsync(handle)
     finally:
-        os.close(folder)
+        os.close(handle)
+
+
+def _point(name: Path, target: Path) -> None:
+    """Make `name` another name of `target`, atomically (a hard link renamed into place;
+    a copy where the filesystem has no hard links)."""
+    temporary = _temporary(name)
+    temporary.unlink(missing_ok=True)
+    try:
+        os.link(target, temporary)
+    except OSError:
+        shutil.copyfile(target, temporary)
+    os.replace(temporary, name)
+
+
+class CheckpointFolder:
+    """runs/<run>/checkpoints: step-<N>.pt for the last `keep` saves, last.pt and best.pt as
+    further names of one of them. Every file is complete at all times: a process killed while
+    saving leaves the previous last.pt in place."""
+
+    def __init__(self, folder: str | Path, keep: int):
+        self.folder = Path(folder)
+        self.keep = max(1, keep)
+
+    def save(self, payload: dict[str, Any], step: int, best: bool = False) -> Path:
+        path = self.folder / f"step-{step:09d}.pt"
+        save(path, payload)
+        _point(self.folder / "last.pt", path)
+        if best:
+            _point(self.folder / "best.pt", path)
+        # Oldest first by time, not by step: a run resumed from an earlier checkpoint writes
+        # lower step numbers that are still the newest files.
+        saved = sorted(self.folder.glob("step-*.pt"), key=lambda p: p.stat().st_mtime_ns)
+        for old in saved[:-self.keep]:
+            old.unlink(missing_ok=True)  # last.pt and best.pt keep their data alive
+        _fsync_folder(self.folder)
+        return self.folder / "last.pt"
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Half-written files of processes that were killed while saving."""
+        stale = [p for p in self.folder.glob(".*.tmp") if p.is_file()]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return stale
 
 
 def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class DataConfig:
         "csv = LOC_train_solution.csv (boxed images only, ~42%%), listing = directory listing",
         "--train-index", choices=("cls", "csv", "listing"))
     workers: int = param(4, "data loading processes per device", "-j", "--workers")
+    max_bad_fraction: float = param(
+        0.01, "stop when more than this share of an epoch's images cannot be read or decoded "
+        "(they are skipped and listed in skipped.tsv)", "--max-bad-fraction")
 
 
 @dataclass(kw_only=True)
@@ -114,6 +117,14 @@ class RunConfig:
                         "--resume")
     evaluate: bool = param(False, "only evaluate the model (from --resume) on the val set",
                            "-e", "--evaluate")
+    checkpoint_interval: float = param(
+        0.0, "also save a checkpoint every this many minutes (mid-epoch; 0 = epoch ends only)",
+        "--checkpoint-interval")
+    keep_checkpoints: int = param(3, "keep the newest N step-*.pt checkpoints (last.pt and "
+                                  "best.pt are names of kept files)", "--keep-checkpoints")
+    stop_timeout: float = param(
+        120.0, "after SIGTERM/SIGINT, wait this many seconds for the checkpoint before killing "
+        "the workers (a second signal kills at once)", "--stop-timeout")
 
 
 @dataclass(kw_only=True)

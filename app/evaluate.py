@@ -20,12 +20,16 @@ def correct_counts(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ..
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, precision: Precision, sync: GradientSync) -> dict:
+def evaluate(model: nn.Module, loader, precision: Precision, sync: GradientSync,
+             skipped: list | None = None) -> dict:
+    """Metrics over the whole val set; this worker's unreadable images go to `skipped`."""
     model.eval()
     # correct@1, correct@5, summed loss, images, skipped: one tensor, one reduction at the end
     totals = torch.zeros(5, dtype=torch.float64, device=precision.device)
     for batch in loader:
         totals[4] += len(batch.skipped)
+        if skipped is not None:
+            skipped += batch.skipped
         if not len(batch):
             continue
         images, labels = precision.inputs(batch)

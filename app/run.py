@@ -6,7 +6,9 @@ import dataclasses
 import logging
 import os
 import secrets
+import shlex
 import string
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from app.catalog import Catalog
 from app.devices import TorchrunEnv
 from app.config import Config, dump_toml, parse_config
 from app.errors import UserError
+from app.interrupts import PREEMPTED_EXIT_CODE
 from app.job import TrainJob
 from app.tables import load_tables
 
@@ -36,8 +39,23 @@ def main(argv: list[str]) -> int:
     mode = launcher.choose_sync(parallel.sync, devices, torchrun)
     write_run_folder(job)
     if torchrun:
-        return launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
-    return launcher.run_job(job, devices, mode)
+        code = launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
+    else:
+        code = launcher.run_job(job, devices, mode)
+    if code == PREEMPTED_EXIT_CODE and not (torchrun and torchrun.rank):
+        print(resume_hint(job), file=sys.stderr)
+    return code
+
+
+def resume_hint(job: TrainJob) -> str:
+    """After a stop on request: where the checkpoint is and the command that continues."""
+    from app import checkpoint  # noqa: PLC0415
+    last = job.checkpoint_dir / "last.pt"
+    state = checkpoint.load(last, mmap=True)
+    command = shlex.join(["python", *sys.argv, "--resume", "auto", "--run-name",
+                          job.config.run.name])
+    return (f"saved {last} after step {state['step']} ({state['epoch_step']} steps into epoch "
+            f"{state['epoch'] + 1}); to continue: {command}")
 
 
 def torchrun_device(devices: list[str], torchrun: TorchrunEnv) -> str:

@@ -1,37 +1,32 @@
 """The training loop of one worker: batch -> forward -> backward -> GradientSync -> step.
 
 Everything parallel hides behind `sync` (one call per step); everything about numerics behind
-`precision`. Metrics stay on the device and are fetched every print interval, not every step.
+`precision`; saving and stopping on request behind `requests` (app/interrupts.py), polled once
+per step. Metrics stay on the device and are fetched every print interval, not every step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from app import checkpoint
+from app import run_state
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.loader import build_loader
 from app.data.sampler import ShardedBatches
 from app.devices import WorkerEnv
 from app.evaluate import evaluate
+from app.interrupts import NoRequests, Requests
 from app.job import TrainJob
 from app.loggers import Logger
 from app.models import create_model
-from app.optim import build_optimizer, build_scheduler, restore_scheduler
+from app.optim import build_optimizer, build_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
-
-
-@dataclass
-class Progress:
-    epoch: int = 0  # epochs completed
-    step: int = 0  # optimizer steps taken
-    best_top1: float = -1.0
+from app.run_state import Progress
 
 
 @dataclass
@@ -45,10 +40,12 @@ class Parts:
     train_batches: ShardedBatches
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
-    skipped: list = field(default_factory=list)  # (epoch, path, reason) not yet reported
+    # This worker's sums over the current epoch: loss x images, images, skipped images.
+    epoch_sums: torch.Tensor
+    skipped: list = field(default_factory=list)  # (epoch, split, path, reason) not yet written
 
 
-def build_parts(job: TrainJob, env: WorkerEnv, sync: GradientSync) -> Parts:
+def build_parts(job: TrainJob, env: WorkerEnv) -> Parts:
     config = job.config
     torch.manual_seed(config.train.seed)  # identical initial weights on every replica
     precision = Precision.from_config(config.train.amp, config.train.channels_last, env.device,
@@ -71,79 +68,96 @@ def build_parts(job: TrainJob, env: WorkerEnv, sync: GradientSync) -> Parts:
         train_loader=build_loader(job.root, job.tables.train, TrainRecipe(job.image_size),
                                   train_batches, workers, pin),
         val_loader=build_loader(job.root, job.tables.val, EvalRecipe(job.image_size),
-                                val_batches, workers, pin))
+                                val_batches, workers, pin),
+        epoch_sums=torch.zeros(3, dtype=torch.float64, device=precision.device))
 
 
-def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger) -> dict:
-    """Train (or only evaluate) as configured; returns the last epoch's metrics."""
-    parts = build_parts(job, env, sync)
+def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
+                 requests: Requests | None = None) -> dict:
+    """Train (or only evaluate) as configured; returns the last epoch's metrics, or
+    {"stopped_at_step": N} when a stop was requested (a checkpoint was saved first)."""
+    requests = requests or NoRequests()
+    parts = build_parts(job, env)
     progress = Progress()
-    if job.resume_from:
-        restore(parts, job.resume_from, progress)
+    state = run_state.restore(parts, job.resume_from, progress, env) if job.resume_from else {}
     parts.model = sync.prepare(parts.model)
+    if state:
+        run_state.restore_replica(parts.model, state, env)
     if job.config.run.evaluate:
         metrics = evaluate(parts.model, parts.val_loader, parts.precision, sync)
         logger.log_metrics(progress.step, {"epoch": progress.epoch, **metrics})
         return metrics
+    requests.poll(env.rank, progress.step)  # tells the driver this worker is training
     metrics: dict = {}
     for epoch in range(progress.epoch, job.config.train.epochs):
         started = time.perf_counter()
-        train_metrics = train_one_epoch(parts, job, sync, progress, logger)
-        sync.average_buffers(parts.model)
-        metrics = {**train_metrics, **evaluate(parts.model, parts.val_loader, parts.precision, sync)}
-        progress.epoch = epoch + 1
-        metrics = {"epoch": progress.epoch, **metrics,
-                   "epoch/time_s": time.perf_counter() - started}
-        skipped = sum(sync.gather(parts.skipped), [])
-        parts.skipped.clear()
-        if env.is_primary:
-            save_checkpoints(parts, job, progress, metrics["val/top1"])
-            write_skipped(job, skipped)
+        if not train_one_epoch(parts, job, sync, env, progress, logger, requests):
+            return {"stopped_at_step": progress.step}
+        metrics = end_epoch(parts, job, sync, env, progress)
+        metrics["epoch/time_s"] = time.perf_counter() - started
         logger.log_metrics(progress.step, metrics)
         every = job.config.logging.save_weights_every
         if every and progress.epoch % every == 0:
             logger.log_artifact(job.checkpoint_dir / "last.pt", f"weights-{job.run_id}", "model",
                                 aliases=(f"epoch-{progress.epoch}",))
+        run_state.check_bad_fraction(metrics, job)
     return metrics
 
 
-def train_one_epoch(parts: Parts, job: TrainJob, sync: GradientSync, progress: Progress,
-                    logger: Logger) -> dict:
+def train_one_epoch(parts: Parts, job: TrainJob, sync: GradientSync, env: WorkerEnv,
+                    progress: Progress, logger: Logger, requests: Requests) -> bool:
+    """Train the rest of epoch `progress.epoch`; False when stopped on request."""
     parts.model.train()
-    parts.train_batches.set_epoch(progress.epoch)
-    steps = len(parts.train_batches)
+    parts.train_batches.set_epoch(progress.epoch, start_step=progress.epoch_step)
+    steps = parts.train_batches.steps_per_epoch()
     print_freq = job.config.train.print_freq
-    device = parts.precision.device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # stays on the device
-    epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
-    images = epoch_images = skipped = 0
+    interval = torch.zeros(2, dtype=torch.float64, device=parts.precision.device)
     tick = started = time.perf_counter()
-    for index, batch in enumerate(parts.train_loader):
+    for batch in parts.train_loader:
         lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step uses
         loss, weight = train_step(parts, batch, sync)
         progress.step += 1
-        loss_sum += loss * weight
-        images += weight
-        skipped += len(batch.skipped)
-        parts.skipped += [(progress.epoch + 1, s.path, s.reason) for s in batch.skipped]
-        if (index + 1) % print_freq == 0 or index + 1 == steps:
+        progress.epoch_step += 1
+        interval[0] += loss * weight
+        interval[1] += weight
+        parts.epoch_sums[2] += len(batch.skipped)
+        parts.skipped += [(progress.epoch + 1, "train", s.path, s.reason) for s in batch.skipped]
+        if progress.epoch_step % print_freq == 0 or progress.epoch_step == steps:
             now = time.perf_counter()
-            epoch_loss += loss_sum
-            epoch_images += images
+            loss_sum, images = interval.tolist()
+            parts.epoch_sums[:2] += interval
             logger.log_metrics(progress.step, {
-                "epoch": progress.epoch + 1, "train/loss": loss_sum.item() / max(images, 1),
-                "train/lr": lr,
-                "train/images_per_sec": images * parts.train_batches.world_size / (now - tick),
-                "progress/epoch_step": index + 1, "progress/epoch_steps": steps,
+                "epoch": progress.epoch + 1, "train/loss": loss_sum / max(images, 1),
+                "train/lr": lr, "train/images_per_sec": images * env.world_size / (now - tick),
+                "progress/epoch_step": progress.epoch_step, "progress/epoch_steps": steps,
                 "progress/epoch_time_s": now - started})
-            loss_sum.zero_()
-            images, tick = 0, now
-    # One reduction per epoch: loss sum, images and skipped images over all workers.
-    totals = sync.sum_across_workers(torch.stack([
-        epoch_loss, torch.tensor(epoch_images, dtype=torch.float64, device=device),
-        torch.tensor(skipped, dtype=torch.float64, device=device)])).tolist()
-    return {"train/epoch_loss": totals[0] / max(totals[1], 1), "train/images": int(totals[1]),
-            "train/skipped": int(totals[2])}
+            interval.zero_()
+            tick = now
+        action = requests.poll(env.rank, progress.step)
+        if action.save:
+            parts.epoch_sums[:2] += interval  # a checkpoint holds every image counted so far
+            interval.zero_()
+            run_state.save(parts, job, sync, env, progress)
+        if action.stop:
+            return False
+    return True
+
+
+def end_epoch(parts: Parts, job: TrainJob, sync: GradientSync, env: WorkerEnv,
+              progress: Progress) -> dict:
+    """Average BatchNorm statistics, evaluate, save: the epoch's metrics."""
+    totals = sync.sum_across_workers(parts.epoch_sums).tolist()  # one reduction per epoch
+    parts.epoch_sums.zero_()
+    sync.average_buffers(parts.model)
+    val_skipped: list = []
+    metrics = evaluate(parts.model, parts.val_loader, parts.precision, sync, val_skipped)
+    progress.epoch += 1
+    progress.epoch_step = 0
+    parts.skipped += [(progress.epoch, "val", s.path, s.reason) for s in val_skipped]
+    metrics = {"epoch": progress.epoch, "train/epoch_loss": totals[0] / max(totals[1], 1),
+               "train/images": int(totals[1]), "train/skipped": int(totals[2]), **metrics}
+    run_state.save(parts, job, sync, env, progress, top1=metrics["val/top1"])
+    return metrics
 
 
 def train_step(parts: Parts, batch, sync: GradientSync) -> tuple[torch.Tensor, int]:
@@ -168,44 +182,3 @@ def train_step(parts: Parts, batch, sync: GradientSync) -> tuple[torch.Tensor, i
     parts.optimizer.zero_grad(set_to_none=True)
     parts.scheduler.step()
     return loss.float(), weight
-
-
-def checkpoint_payload(parts: Parts, job: TrainJob, progress: Progress) -> dict:
-    return {
-        "model": checkpoint.unwrap(parts.model).state_dict(),
-        "arch": job.config.model.arch, "num_classes": job.tables.num_classes,
-        "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
-        "scaler": parts.scaler.state_dict() if parts.scaler else {},
-        **asdict(progress), "config": job.config.to_dict(), "run_id": job.run_id,
-        "rng": checkpoint.rng_states()}
-
-
-def save_checkpoints(parts: Parts, job: TrainJob, progress: Progress, top1: float) -> None:
-    """last.pt every epoch; best.pt when top-1 improves."""
-    is_best = top1 > progress.best_top1
-    if is_best:
-        progress.best_top1 = top1
-    payload = checkpoint_payload(parts, job, progress)
-    checkpoint.save(job.checkpoint_dir / "last.pt", payload)
-    if is_best:
-        checkpoint.save(job.checkpoint_dir / "best.pt", payload)
-
-
-def restore(parts: Parts, path: str, progress: Progress) -> None:
-    state = checkpoint.load(path)
-    checkpoint.load_model_weights(parts.model, state["model"], path)
-    parts.optimizer.load_state_dict(state["optimizer"])
-    restore_scheduler(parts.scheduler, state["scheduler"])
-    if parts.scaler and state["scaler"]:
-        parts.scaler.load_state_dict(state["scaler"])
-    progress.epoch, progress.step = state["epoch"], state["step"]
-    progress.best_top1 = state["best_top1"]
-    checkpoint.set_rng_states(state["rng"])
-
-
-def write_skipped(job: TrainJob, skipped: list[tuple[int, str, str]]) -> None:
-    """Append this epoch's skipped images to runs/<run>/skipped.tsv (epoch, path, reason)."""
-    if not skipped:
-        return
-    with open(Path(job.run_dir) / "skipped.tsv", "a", encoding="utf-8") as handle:
-        handle.writelines(f"{epoch}\t{path}\t{reason}\n" for epoch, path, reason in skipped)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from app import checkpoint
+from app.interrupts import PREEMPTED_EXIT_CODE
 from app.parallel.launcher import free_port
 from app.parallel.watch import is_alive
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
@@ -151,14 +152,29 @@ def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, vi
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_driver_stops_every_process(tmp_path, stop):
+def test_a_signal_to_the_driver_saves_then_stops_every_process(tmp_path, stop):
     process, marker = start_driver(tmp_path, "--sync", "ps", "-j", "1")
     read_started_line(process)
     wait_for_training(tmp_path, process)
     assert len(processes_with(marker)) >= 4  # driver, server, 2 workers (+ loader workers)
     process.send_signal(stop)
-    assert process.wait(timeout=15) == 128 + stop
-    assert f"stopped by {stop.name}" in process.stderr.read()
+    assert process.wait(timeout=30) == PREEMPTED_EXIT_CODE
+    stderr = process.stderr.read()
+    assert f"{stop.name}: saving a checkpoint after step" in stderr
+    assert "to continue: python" in stderr and "--resume auto --run-name long" in stderr
+    time.sleep(0.5)
+    assert processes_with(marker) == []
+
+
+def test_a_second_signal_stops_every_process_at_once(tmp_path):
+    process, marker = start_driver(tmp_path, "--sync", "allreduce", "-j", "1")
+    read_started_line(process)
+    wait_for_training(tmp_path, process)
+    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM: ended all 2 processes without a new checkpoint" in \
+        process.stderr.read()
     time.sleep(0.5)
     assert processes_with(marker) == []
 

@@ -60,7 +60,12 @@ def test_run_folder_holds_resolved_config_and_checkpoints(trained_run):
     assert config["model"]["arch"] == "test_resnet" and config["run"]["name"] == "r"
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert (state["epoch"], state["step"]) == (4, 40)
-    assert {"optimizer", "scheduler", "rng", "config"} <= set(state)
+    assert {"optimizer", "scheduler", "replicas", "config", "run_id", "epoch_step"} <= set(state)
+    assert state["epoch_step"] == 0  # saved at the end of an epoch
+    # Three kept step files; last.pt is another name of the newest.
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert kept == ["step-000000020.pt", "step-000000030.pt", "step-000000040.pt"]
+    assert (run_dir / "checkpoints" / "last.pt").samefile(run_dir / "checkpoints" / kept[-1])
     assert all(t.device.type == "cpu" for t in state["model"].values())
     plain = timm.create_model("test_resnet", num_classes=10)
     plain.load_state_dict(state["model"])  # strict, no wrapper prefixes

@@ -33,10 +33,10 @@ class SyncBenchJob:
     result_file: str
 
 
-def bench_process(job: SyncBenchJob, env: WorkerEnv, connect, cpu_workers: int) -> None:
+def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> None:
     if env.device == "cpu":
         torch.set_num_threads(max(1, (torch.multiprocessing.cpu_count()) // cpu_workers))
-    sync = connect(env)
+    sync = plan.connect(env)
     precision = Precision.from_config("auto", True, env.device)
     torch.manual_seed(0)
     model = sync.prepare(precision.prepare_model(create_model(job.arch, 1000)))

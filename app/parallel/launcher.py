@@ -25,6 +25,8 @@ from app.config import ParallelConfig
 from app.devices import TorchrunEnv, WorkerEnv
 from app.errors import USER_ERROR_EXIT_CODE, UserError
 from app.job import TrainJob
+from app.interrupts import (PREEMPTED_EXIT_CODE, STOP_SIGNALS, AgreedRequests, Interval,
+                            SharedRequests)
 from app.loggers import NullLogger, build_loggers
 from app.parallel import GradientSync, LocalSync
 from app.parallel.watch import POLL_S, SyncFailure, Watch, descendants, die_with_parent, is_alive
@@ -46,11 +48,21 @@ def choose_sync(requested: str, devices: list[str], torchrun: TorchrunEnv | None
 # --- how a worker reaches its peers ---------------------------------------------------------
 
 @dataclass(frozen=True)
+class LocalPlan:
+    """One worker in the driver's own process."""
+    requests: Any = None
+
+    def connect(self, env: WorkerEnv) -> GradientSync:
+        return LocalSync()
+
+
+@dataclass(frozen=True)
 class PsPlan:
     links: Any  # ServerLinks
     bucket_mb: float
     check_every: int
     timeout_s: float
+    requests: Any = None  # SharedRequests from the driver
 
     def connect(self, env: WorkerEnv) -> GradientSync:
         from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
@@ -65,6 +77,7 @@ class AllReducePlan:
     bucket_mb: float
     check_every: int
     timeout_s: float
+    requests: Any = None  # SharedRequests from the driver; None under torchrun
 
     def connect(self, env: WorkerEnv) -> GradientSync:
         from app.parallel.allreduce import AllReduceSync, init_distributed  # noqa: PLC0415
@@ -74,21 +87,28 @@ class AllReducePlan:
 
 # --- what runs in each process ----------------------------------------------------------
 
-def train_process(job: TrainJob, env: WorkerEnv, connect: Callable[[WorkerEnv], GradientSync],
-                  cpu_workers: int = 1) -> None:
-    """One worker: connect to the peers, train, say goodbye. Only the primary logs."""
+def train_process(job: TrainJob, env: WorkerEnv, plan: Any, cpu_workers: int = 1) -> int:
+    """One worker: connect to the peers, train, say goodbye. Only the primary logs.
+    Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
     from app.train import train_worker  # noqa: PLC0415 (torch-heavy; children only)
     if env.device == "cpu":  # share the cores between the CPU workers instead of fighting
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
-    sync = connect(env)
+    sync = plan.connect(env)
+    # Without a driver above the workers (one process, torchrun), each process listens for
+    # signals itself and the workers agree every step.
+    own = None if plan.requests else AgreedRequests(sync, env.world_size,
+                                                    job.config.run.checkpoint_interval)
     loggers = build_loggers(job) if env.is_primary else NullLogger()
     try:
         if env.is_primary:
             loggers.log_config(job.config.to_dict())
-        train_worker(job, env, sync, loggers)
+        result = train_worker(job, env, sync, loggers, plan.requests or own)
     finally:
         loggers.finish()
+        if own:
+            own.restore()
     sync.close()
+    return PREEMPTED_EXIT_CODE if "stopped_at_step" in result else 0
 
 
 def server_process(links: Any, device: str, timeout_s: float) -> None:
@@ -105,7 +125,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
-        target(*args)
+        code = target(*args)
     except UserError as error:
         reports.put((name, str(error), "user"))
         sys.exit(USER_ERROR_EXIT_CODE)
@@ -116,6 +136,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Any) -> None:
         traceback.print_exc()
         reports.put((name, f"{type(error).__name__}: {error}".splitlines()[0][:300], "crash"))
         sys.exit(1)
+    sys.exit(code or 0)
 
 
 # --- the driver side --------------------------------------------------------------------
@@ -127,26 +148,38 @@ class Child:
 
 
 def run_job(job: TrainJob, devices: list[str], mode: str) -> int:
-    return launch(train_process, job, devices, mode, job.config.parallel)
+    return launch(train_process, job, devices, mode, job.config.parallel,
+                  Stopping(job.config.run.checkpoint_interval, job.config.run.stop_timeout))
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When the driver asks its workers to save (minutes; 0 = never) and how long it waits for
+    the checkpoint after a signal before it kills them (seconds)."""
+    checkpoint_interval: float = 0.0
+    stop_timeout: float = 0.0
 
 
 def launch(target: Callable, job: Any, devices: list[str], mode: str,
-           config: ParallelConfig) -> int:
-    """Run `target(job, env, connect, cpu_workers)` once per device: in this process for a
-    single device, else in spawned processes (plus the parameter server for ps)."""
+           config: ParallelConfig, stopping: Stopping = Stopping()) -> int:
+    """Run `target(job, env, plan, cpu_workers)` once per device: in this process for a single
+    device, else in spawned processes (plus the parameter server for ps). Returns the exit
+    code: 0, PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's."""
     if mode == "local":
-        target(job, WorkerEnv(rank=0, world_size=1, device=devices[0]), lambda _: LocalSync(), 1)
-        return 0
+        return target(job, WorkerEnv(rank=0, world_size=1, device=devices[0]), LocalPlan(),
+                      1) or 0
     # After a failure the queues of killed processes are cleaned up by multiprocessing's
     # resource tracker, which then warns about "leaked semaphores": expected, not a leak here.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     context = mp.get_context("spawn")
     reports = context.Queue()
+    requests = SharedRequests(context, len(devices))
     children: list[Child] = []
     if mode == "ps":
         from app.parallel.ps_server import ServerLinks  # noqa: PLC0415
         links = ServerLinks(context.Queue(), [context.Queue() for _ in devices])
-        plan: Any = PsPlan(links, config.bucket_mb, config.check_every, config.timeout_s)
+        plan: Any = PsPlan(links, config.bucket_mb, config.check_every, config.timeout_s,
+                           requests)
         name = f"parameter server ({devices[0]})"
         children.append(Child(name, context.Process(
             target=child_entry,
@@ -154,18 +187,17 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     else:
         from app.parallel.allreduce import backend_for  # noqa: PLC0415
         plan = AllReducePlan(f"tcp://127.0.0.1:{free_port()}", backend_for(devices),
-                             config.bucket_mb, config.check_every, config.timeout_s)
+                             config.bucket_mb, config.check_every, config.timeout_s, requests)
     cpu_workers = devices.count("cpu")
     for rank, device in enumerate(devices):
         env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
         name = f"worker {rank} ({device})"
         children.append(Child(name, context.Process(
-            target=child_entry, args=(name, target, (job, env, plan.connect, cpu_workers),
-                                      reports))))
+            target=child_entry, args=(name, target, (job, env, plan, cpu_workers), reports))))
     for child in children:
         child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    return supervise(children, reports)
+    return supervise(children, reports, requests, stopping)
 
 
 def run_torchrun(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
@@ -175,8 +207,7 @@ def run_torchrun(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     plan = AllReducePlan("env://", backend, config.bucket_mb, config.check_every,
                          config.timeout_s)
-    train_process(job, env, plan.connect)
-    return 0
+    return train_process(job, env, plan)
 
 
 def free_port() -> int:
@@ -190,35 +221,55 @@ class StopSignals:
 
     def __init__(self):
         self.received: int | None = None
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.count = 0
+        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
 
     def handle(self, signum, _frame) -> None:
         self.received = signum
+        self.count += 1
+
+    def name(self) -> str:
+        return signal.Signals(self.received).name
 
     def restore(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
 
-def supervise(children: list[Child], reports: Any) -> int:
-    """Wait for all children to finish; on the first failure or signal, stop them all."""
+def supervise(children: list[Child], reports: Any, requests: SharedRequests,
+              stopping: Stopping) -> int:
+    """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
+    the workers to save and stop at the next step, and wait for that up to stop_timeout; a
+    second signal (or the timeout) stops them at once."""
     signals = StopSignals()
+    interval = Interval(stopping.checkpoint_interval)
+    deadline = None
     try:
         while True:
             running = [c.process.sentinel for c in children if c.process.exitcode is None]
             if running:
                 connection.wait(running, timeout=POLL_S)
-            if signals.received:
+            if signals.received and deadline is None:
+                step = requests.ask(stop=True)
+                deadline = time.monotonic() + (stopping.stop_timeout if step is not None else 0)
+                if step is not None:
+                    print(f"{signals.name()}: saving a checkpoint after step {step}, then "
+                          "stopping (send it again to stop at once)", file=sys.stderr)
+            if signals.count > 1 or (deadline is not None and time.monotonic() > deadline):
                 stop_all(children)
-                name = signal.Signals(signals.received).name
-                print(f"stopped by {name}: ended all {len(children)} processes", file=sys.stderr)
+                print(f"stopped by {signals.name()}: ended all {len(children)} processes "
+                      "without a new checkpoint", file=sys.stderr)
                 return 128 + signals.received
-            failed = [c for c in children if c.process.exitcode not in (None, 0)]
+            failed = [c for c in children
+                      if c.process.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
             if failed:
                 stop_all(children)
                 return report_failure(failed, drain(reports))
             if not running:
-                return 0
+                codes = {c.process.exitcode for c in children}
+                return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else 0
+            if deadline is None and interval.due():
+                requests.ask(stop=False)
     finally:
         signals.restore()
 

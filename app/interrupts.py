@@ -1,0 +1,120 @@
+"""Saving and stopping at a step every worker agrees on.
+
+A signal (SIGTERM from a scheduler or a preemption notice, Ctrl-C) or the
+--checkpoint-interval timer asks for a checkpoint. Every worker must save at the same step,
+because a checkpoint gathers state from all of them (BatchNorm statistics, RNG states, epoch
+sums). Two ways to agree:
+
+- SharedRequests: the driver spawned the workers on this machine. Each worker publishes every
+  finished step in shared memory; the driver, under the same lock, names the step after which
+  everyone saves: one past the furthest worker. Workers are never more than one step apart
+  (each step needs every worker's gradients), so no one has passed that step and everyone
+  reaches it. Costs one uncontended lock per step.
+- AgreedRequests: one process, or torchrun (no driver above the workers). Each process notices
+  its own signals and timer; the workers combine their wishes every step (free for a single
+  process, one tiny gather on the host group under torchrun).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; resume to go on
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Action:
+    save: bool = False
+    stop: bool = False  # implies save
+
+
+class Requests(Protocol):
+    def poll(self, rank: int, step: int) -> Action:
+        """Called by every worker after every step (and once before the first)."""
+
+
+class NoRequests:
+    def poll(self, rank: int, step: int) -> Action:
+        return Action()
+
+
+class Interval:
+    """Due every `minutes` (never for 0)."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        if self.seconds <= 0 or time.monotonic() - self.last < self.seconds:
+            return False
+        self.last = time.monotonic()
+        return True
+
+
+class SharedRequests:
+    """Made by the driver before it spawns the workers; passed to each of them."""
+
+    NOT_STARTED = -1
+
+    def __init__(self, context: Any, world_size: int):
+        self.lock = context.Lock()
+        self.finished = context.RawArray("q", [self.NOT_STARTED] * world_size)
+        self.save_at = context.RawValue("q", -1)
+        self.stop_at = context.RawValue("q", -1)
+
+    # --- driver side ---
+    def ask(self, stop: bool) -> int | None:
+        """Schedule a save (and a stop); returns the step, or None when the workers have not
+        all started training yet (nothing new to save) or a save is still pending."""
+        with self.lock:
+            finished = list(self.finished)
+            if min(finished) == self.NOT_STARTED:
+                return None
+            if stop:
+                if self.stop_at.value < 0:
+                    self.stop_at.value = max(finished) + 1
+                return self.stop_at.value
+            if self.save_at.value > min(finished) or self.stop_at.value >= 0:
+                return None  # the previous save has not happened everywhere yet
+            self.save_at.value = max(finished) + 1
+            return self.save_at.value
+
+    # --- worker side ---
+    def poll(self, rank: int, step: int) -> Action:
+        with self.lock:
+            self.finished[rank] = step
+            save_at, stop_at = self.save_at.value, self.stop_at.value
+        return Action(save=step in (save_at, stop_at), stop=step == stop_at)
+
+
+class AgreedRequests:
+    """Signal handlers in this process turn the first SIGINT/SIGTERM into a stop request; a
+    second one stops at once (KeyboardInterrupt)."""
+
+    def __init__(self, sync: Any, world_size: int, interval_minutes: float):
+        self.sync = sync
+        self.world_size = world_size
+        self.interval = Interval(interval_minutes)
+        self.received: int | None = None
+        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+
+    def handle(self, signum: int, _frame: Any) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def poll(self, rank: int, step: int) -> Action:
+        wishes = (self.received is not None, self.interval.due())
+        if self.world_size > 1:
+            wishes = tuple(map(any, zip(*self.sync.gather(wishes))))
+        stop, save = wishes
+        return Action(save=save or stop, stop=stop)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
