@@ -32,11 +32,13 @@ def main(argv: list[str]) -> int:
                         "folder")
     job = prepare_job(config)
     # torch and timm take seconds to import: only now, so mistakes above are reported at once.
+    from app import preflight  # noqa: PLC0415
     from app.devices import worker_devices  # noqa: PLC0415
     from app.parallel import launcher  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = launcher.choose_sync(parallel.sync, devices, torchrun)
+    preflight.check(job, saves=not (torchrun and torchrun.rank))
     write_run_folder(job)
     if torchrun:
         code = launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
