@@ -62,7 +62,8 @@ def test_two_workers_match_one_worker_with_twice_the_batch(one_worker_reference,
     assert moved == pytest.approx(1.0)  # sanity: the metric is not trivially zero
 
 
-@pytest.mark.parametrize("sync, loader_workers", [("ps", "1"), ("allreduce", "0")])
+# allreduce computes the same steps (test_two_workers_match_one_worker_with_twice_the_batch).
+@pytest.mark.parametrize("sync, loader_workers", [("ps", "1")])
 def test_two_workers_train_the_tiny_sample(tmp_path, sync, loader_workers):
     result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", loader_workers,
                         "--epochs", "4", "--devices", "cpu,cpu", "--sync", sync,
@@ -122,13 +123,18 @@ def worker_pids(stderr_text: str) -> dict[str, int]:
     return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
 
 
-def read_started_line(process) -> str:
+def read_line_with(process, text: str) -> str:
+    """The driver's stderr up to the first line containing `text` (or its end)."""
     lines = []
     while True:
         line = process.stderr.readline()
         lines.append(line)
-        if "started" in line or not line:
+        if text in line or not line:
             return "".join(lines)
+
+
+def read_started_line(process) -> str:
+    return read_line_with(process, "started")
 
 
 @pytest.mark.parametrize("sync, victim", [("ps", "worker 1 (cpu)"),
@@ -151,8 +157,9 @@ def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, vi
     assert processes_with(marker) == []  # no orphans: workers, server, loader workers
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_driver_saves_then_stops_every_process(tmp_path, stop):
+def test_ctrl_c_to_the_driver_saves_then_stops_every_process(tmp_path):
+    """SIGINT here; SIGTERM and resuming afterwards: tests/test_reliability.py."""
+    stop = signal.SIGINT
     process, marker = start_driver(tmp_path, "--sync", "ps", "-j", "1")
     read_started_line(process)
     wait_for_training(tmp_path, process)
@@ -166,15 +173,24 @@ def test_a_signal_to_the_driver_saves_then_stops_every_process(tmp_path, stop):
     assert processes_with(marker) == []
 
 
-def test_a_second_signal_stops_every_process_at_once(tmp_path):
-    process, marker = start_driver(tmp_path, "--sync", "allreduce", "-j", "1")
-    read_started_line(process)
+@pytest.mark.parametrize("then", ["second signal", "stop timeout"])
+def test_a_stop_that_cannot_save_ends_every_process(tmp_path, then):
+    process, marker = start_driver(tmp_path, "--sync", "allreduce", "-j", "1",
+                                   "--stop-timeout", "3")
+    pids = worker_pids(read_started_line(process))
     wait_for_training(tmp_path, process)
+    os.kill(pids["worker 1 (cpu)"], signal.SIGSTOP)  # hung: the checkpoint can never come
     process.send_signal(signal.SIGTERM)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=15) == 128 + signal.SIGTERM
-    assert "stopped by SIGTERM: ended all 2 processes without a new checkpoint" in \
-        process.stderr.read()
+    assert "SIGTERM: saving a checkpoint after step" in read_line_with(process, "saving")
+    asked = time.monotonic()
+    if then == "second signal":
+        process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    waited = time.monotonic() - asked
+    stderr = process.stderr.read()
+    assert "stopped by SIGTERM: ended all 2 processes without a new checkpoint" in stderr
+    if then == "stop timeout":
+        assert "(none within --stop-timeout 3 s)" in stderr and waited >= 3
     time.sleep(0.5)
     assert processes_with(marker) == []
 

@@ -217,16 +217,31 @@ def free_port() -> int:
 
 
 class StopSignals:
-    """Turns SIGINT/SIGTERM into a flag the supervising loop acts on."""
+    """Turns SIGINT/SIGTERM into a flag the supervising loop acts on at once: the handler also
+    writes to a pipe that the loop waits on beside the children."""
 
     def __init__(self):
         self.received: int | None = None
         self.count = 0
+        self.wakeup, self._notify = os.pipe()
+        for fd in (self.wakeup, self._notify):
+            os.set_blocking(fd, False)
         self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
 
     def handle(self, signum, _frame) -> None:
         self.received = signum
         self.count += 1
+        try:
+            os.write(self._notify, b"!")
+        except BlockingIOError:  # the pipe is full of earlier wake-ups: awake anyway
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.wakeup, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def name(self) -> str:
         return signal.Signals(self.received).name
@@ -234,6 +249,8 @@ class StopSignals:
     def restore(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+        os.close(self.wakeup)
+        os.close(self._notify)
 
 
 def supervise(children: list[Child], reports: Any, requests: SharedRequests,
@@ -248,17 +265,21 @@ def supervise(children: list[Child], reports: Any, requests: SharedRequests,
         while True:
             running = [c.process.sentinel for c in children if c.process.exitcode is None]
             if running:
-                connection.wait(running, timeout=POLL_S)
+                connection.wait([*running, signals.wakeup], timeout=POLL_S)
+                signals.clear()
             if signals.received and deadline is None:
                 step = requests.ask(stop=True)
                 deadline = time.monotonic() + (stopping.stop_timeout if step is not None else 0)
                 if step is not None:
                     print(f"{signals.name()}: saving a checkpoint after step {step}, then "
                           "stopping (send it again to stop at once)", file=sys.stderr)
-            if signals.count > 1 or (deadline is not None and time.monotonic() > deadline):
+            timed_out = deadline is not None and time.monotonic() > deadline
+            if signals.count > 1 or timed_out:
                 stop_all(children)
+                why = "" if signals.count > 1 else \
+                    f" (none within --stop-timeout {stopping.stop_timeout:g} s)"
                 print(f"stopped by {signals.name()}: ended all {len(children)} processes "
-                      "without a new checkpoint", file=sys.stderr)
+                      f"without a new checkpoint{why}", file=sys.stderr)
                 return 128 + signals.received
             failed = [c for c in children
                       if c.process.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
