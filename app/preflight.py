@@ -1,4 +1,4 @@
-"""Checks before any worker starts, so a run does not fail hours in: the run folder is
+"""Checks before training starts, so a run does not fail hours in: the run folder is
 writable with room for the checkpoints it will keep, and the tables' files exist.
 
 Already checked elsewhere, earlier: the catalog and the dataset root (app/catalog.py), the
@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+import torch.nn as nn
 
 from app.errors import UserError
 from app.job import TrainJob
@@ -32,35 +33,38 @@ def check(job: TrainJob, saves: bool) -> None:
 
 
 def check_run_folder(job: TrainJob) -> None:
-    """The run folder can be created and written, and holds keep+2 checkpoints: a save writes
-    the new file before the oldest goes, and best.pt may keep one more alive."""
+    """The run folder can be created and written."""
     folder = Path(job.run_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".preflight.{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
-        free = shutil.disk_usage(folder).free
     except OSError as error:
         raise UserError(f"cannot write the run folder {folder}: {error.strerror}; choose "
                         "another --output-dir") from None
+
+
+def check_room_for_checkpoints(job: TrainJob, model: nn.Module) -> None:
+    """Room for keep+2 checkpoints: a save writes the new file before the oldest goes, and
+    best.pt may keep one more alive. Checked by the saving worker once it has built the model
+    (the driver does not import timm: that alone takes seconds)."""
+    folder = Path(job.run_dir)
+    free = shutil.disk_usage(folder).free
     keep = job.config.run.keep_checkpoints
-    needed = (keep + 2) * checkpoint_bytes(job)
+    needed = (keep + 2) * checkpoint_bytes(model, job.config.optim.optimizer)
     if needed > free:
         raise UserError(f"{folder}: {_gib(free)} free, but {keep} kept checkpoints need about "
                         f"{_gib(needed)}; free space, choose another --output-dir or lower "
                         "--keep-checkpoints")
 
 
-def checkpoint_bytes(job: TrainJob) -> int:
-    """Estimated size of one checkpoint: fp32 weights plus the optimizer's state per weight.
-    The model is built on the meta device: shapes only, no memory, no initialisation cost."""
-    import torch  # noqa: PLC0415
-    from app.models import create_model  # noqa: PLC0415
-    with torch.device("meta"):
-        model = create_model(job.config.model.arch, job.tables.num_classes, job.config.model.norm)
-    weights = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
-    return 4 * weights * (1 + OPTIMIZER_SLOTS[job.config.optim.optimizer])
+def checkpoint_bytes(model: nn.Module, optimizer: str) -> int:
+    """Estimated size of one checkpoint: the weights and buffers plus the optimizer's state
+    per weight (created only at the first step, hence estimated)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return weights * (1 + OPTIMIZER_SLOTS[optimizer]) + buffers
 
 
 def check_listed_files(job: TrainJob) -> None:
@@ -75,7 +79,7 @@ def check_listed_files(job: TrainJob) -> None:
     else:
         checked = listed.sample(min(REMOTE_SAMPLE, len(listed)),
                                 random_state=job.config.train.seed % 2**32)
-        missing = [path for path in checked if not root.exists(path)]
+        missing = [path for path in checked if not _exists_remote(root, path)]
     if not missing:
         return
     share = len(missing) / len(checked)
@@ -101,6 +105,15 @@ def _missing_local(root: Path, listed: pd.Series) -> list[str]:
             present = set()
         missing += [f"{folder}/{name}" for name in names if name not in present]
     return missing
+
+
+def _exists_remote(root, path: str) -> bool:
+    """An object that cannot even be looked up (after the client's retries) will not be read
+    either: it counts as missing."""
+    try:
+        return root.exists(path)
+    except Exception:  # noqa: BLE001 (botocore/aiohttp errors of one object)
+        return False
 
 
 def remove_stale_temporaries(job: TrainJob) -> None:

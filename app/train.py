@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from app import run_state
+from app import preflight, run_state
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.loader import build_loader
 from app.data.sampler import ShardedBatches
@@ -78,6 +78,8 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
     {"stopped_at_step": N} when a stop was requested (a checkpoint was saved first)."""
     requests = requests or NoRequests()
     parts = build_parts(job, env)
+    if env.is_primary and not job.config.run.evaluate:
+        preflight.check_room_for_checkpoints(job, parts.model)
     progress = Progress()
     state = run_state.restore(parts, job.resume_from, progress, env) if job.resume_from else {}
     parts.model = sync.prepare(parts.model)
