@@ -107,14 +107,18 @@ def _from_bytes(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
+SKIPPED_COLUMNS = ("epoch", "split", "path", "reason")  # skipped.tsv, read with pandas or csv
+
+
 def flush_skipped(parts: Parts, job: TrainJob, sync: GradientSync, env: WorkerEnv) -> None:
-    """Append every worker's skipped images so far to runs/<run>/skipped.tsv
-    (epoch, split, path, reason)."""
+    """Append every worker's skipped images so far to runs/<run>/skipped.tsv."""
     skipped = sum(sync.gather(parts.skipped), [])
     parts.skipped.clear()
     if env.is_primary and skipped:
-        with open(Path(job.run_dir) / "skipped.tsv", "a", encoding="utf-8") as handle:
-            handle.writelines("\t".join(map(str, row)) + "\n" for row in skipped)
+        path = Path(job.run_dir) / "skipped.tsv"
+        header = [] if path.exists() else [SKIPPED_COLUMNS]
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.writelines("\t".join(map(str, row)) + "\n" for row in header + skipped)
 
 
 def check_bad_fraction(metrics: dict, job: TrainJob) -> None:

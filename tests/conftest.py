@@ -3,6 +3,7 @@ cache), mutable copies of it, catalogs pointing at them, and a real driver subpr
 
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 import subprocess
@@ -68,6 +69,12 @@ def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = N
     return subprocess.run([sys.executable, str(REPO / "bin" / "driver.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def skipped_rows(run_dir: Path) -> list[dict]:
+    """runs/<run>/skipped.tsv as rows keyed by its header (epoch, split, path, reason)."""
+    with open(run_dir / "skipped.tsv", newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
 
 
 # Small and fast: a timm ResNet with 16-192 channels, at 32 px.

@@ -13,12 +13,12 @@ import torch
 
 from app import checkpoint
 from app.interrupts import PREEMPTED_EXIT_CODE
-from conftest import REPO, run_driver
+from conftest import REPO, run_driver, skipped_rows
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 # Deterministic on CPU; BatchNorm on purpose: each replica's running statistics must survive.
-# 320 images, global batch 8: 40 steps per epoch.
-EXACT = ("-a", "test_resnet", "--image-size", "32", "-j", "0", "--lr", "0.2",
+# 5 classes: 160 train images, global batch 8: 20 steps per epoch.
+EXACT = ("-a", "test_resnet", "--classes", "5", "--image-size", "32", "-j", "0", "--lr", "0.2",
          "--warmup-epochs", "0.5", "--epochs", "2", "-p", "1")
 SPLITS = {"1 worker": ("-b", "8"), "2 workers ps": ("-b", "4", "--devices", "cpu,cpu",
                                                      "--sync", "ps")}
@@ -58,20 +58,21 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical(tmp_path, split):
     assert code == PREEMPTED_EXIT_CODE, stderr
     assert "to continue: python" in stderr and "--resume auto --run-name cut" in stderr
     cut = last(tmp_path / "runs" / "cut")
-    assert 0 < cut["epoch_step"] < 40 and cut["epoch"] == 0  # stopped inside epoch 1
+    assert 0 < cut["epoch_step"] < 20 and cut["epoch"] < 2  # stopped inside an epoch
     assert len(cut["replicas"]) == (2 if "--devices" in SPLITS[split] else 1)
 
     resumed = run_driver(*flags, "--run-name", "cut", "--resume", "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     a, b = last(tmp_path / "runs" / "straight"), last(tmp_path / "runs" / "cut")
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 80)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 40)
     for key in a["model"]:  # weights and BatchNorm statistics
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key, state in a["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
     # The interrupted epoch's metrics count every image once, across the stop.
-    epoch_one = [r for r in metric_rows(tmp_path / "runs" / "cut") if "val/top1" in r][0]
-    assert epoch_one["train/images"] == 320
+    interrupted = [r for r in metric_rows(tmp_path / "runs" / "cut")
+                   if "val/top1" in r and r["epoch"] == cut["epoch"] + 1]
+    assert interrupted[-1]["train/images"] == 160
 
 
 def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path):
@@ -81,10 +82,10 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path):
     assert result.returncode == 0, result.stderr
     folder = tmp_path / "runs" / "timed" / "checkpoints"
     kept = sorted(folder.glob("step-*.pt"))
-    assert len(kept) == 2 and kept[-1].name == "step-000000040.pt"
+    assert len(kept) == 2 and kept[-1].name == "step-000000020.pt"
     assert (folder / "last.pt").samefile(kept[-1]) and (folder / "best.pt").samefile(kept[-1])
     mid_epoch = checkpoint.load(kept[0])  # a save requested by the driver's timer
-    assert 0 < mid_epoch["epoch_step"] < 40 and mid_epoch["step"] == mid_epoch["epoch_step"]
+    assert 0 < mid_epoch["epoch_step"] < 20 and mid_epoch["step"] == mid_epoch["epoch_step"]
     assert not list(folder.glob(".*"))  # no temporary files left
 
 
@@ -145,10 +146,9 @@ def test_bad_images_are_skipped_listed_and_bounded(tmp_path, tiny_copy, catalog_
     # 3 of 420 images (0.7%): under the default limit of 1%, so the run completes.
     ok = run_driver(*flags, "--run-name", "ok", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
-    rows = [line.split("\t") for line in
-            (tmp_path / "runs" / "ok" / "skipped.tsv").read_text().splitlines()]
-    assert {row[2] for row in rows} == {str(p) for p in bad} and len(rows) == 3
-    assert {(row[0], row[1]) for row in rows} == {("1", "train"), ("1", "val")}
+    rows = skipped_rows(tmp_path / "runs" / "ok")
+    assert {row["path"] for row in rows} == {str(p) for p in bad} and len(rows) == 3
+    assert {(row["epoch"], row["split"]) for row in rows} == {("1", "train"), ("1", "val")}
     assert "skipped 3 images" in ok.stdout
 
     strict = run_driver(*flags, "--run-name", "strict", "--max-bad-fraction", "0.005",

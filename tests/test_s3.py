@@ -8,7 +8,7 @@ from app.catalog import Catalog
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.tables import load_tables, train_cls_list
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, write_catalog
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows, write_catalog
 from s3 import ACCESS_KEY, SECRET_KEY, FaultyProxy
 
 
@@ -68,7 +68,8 @@ def test_faults_are_retried_and_lost_images_counted(tmp_path, s3_server, tiny_sa
     frame = train_cls_list(Catalog.load(s3_catalog(tmp_path, url, s3_server.endpoint))
                            .open("s3"))
     # Damage images of the first train batch, so their (bounded) retries overlap in time.
-    first_batch = [index for index, _ in next(iter(ShardedBatches(len(frame), 32, seed=0)))]
+    batch = 128  # few large batches: the faults of a batch are retried concurrently
+    first_batch = [index for index, _ in next(iter(ShardedBatches(len(frame), batch, seed=0)))]
     failing = tuple(frame.path[first_batch[:2]])
     deleted = frame.path[first_batch[2]]
     s3_server.client().delete_object(Bucket="imagenet-faults", Key=f"ilsvrc/{deleted}")
@@ -77,7 +78,7 @@ def test_faults_are_retried_and_lost_images_counted(tmp_path, s3_server, tiny_sa
     try:
         catalog = s3_catalog(tmp_path, url, proxy.endpoint)
         result = run_driver("--catalog", str(catalog), "--dataset", "s3", *TINY_TRAIN_FLAGS,
-                            "--epochs", "1", "-j", "0", "--run-name", "faults", cwd=tmp_path,
+                            "-b", str(batch), "--epochs", "1", "-j", "0", "--run-name", "faults", cwd=tmp_path,
                             timeout=400)
         counts = proxy.counts
     finally:
@@ -88,8 +89,7 @@ def test_faults_are_retried_and_lost_images_counted(tmp_path, s3_server, tiny_sa
     epoch = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert epoch["train/images"] + epoch["train/skipped"] == 320
     assert epoch["train/skipped"] == 3 and epoch["val/images"] + epoch["val/skipped"] == 100
-    skipped = {line.split("\t")[1]: line.split("\t")[2]
-               for line in (run_dir / "skipped.tsv").read_text().splitlines()}
+    skipped = {row["path"]: row["reason"] for row in skipped_rows(run_dir)}
     assert set(skipped) == {*failing, deleted}
     assert skipped[deleted] == "missing"
     assert all(skipped[path].startswith("unreadable after 3 attempts") for path in failing)
