@@ -119,7 +119,13 @@ def train_solutions(root: DatasetRoot, table: str = TRAIN_SOLUTION, classes: Cla
                     ) -> pd.DataFrame:
     """The train images listed in the LOC CSV (only those with boxes)."""
     frame = _solutions(root, table, class_index(root, classes))
-    folders = frame.ImageId.str.split("_").str[0]
+    folders = frame.ImageId.str.split("_").str[0]  # n01440764_10026 is in train/n01440764/
+    bad = ~frame.ImageId.str.contains("_") | ~folders.str.match(SAFE_ID)
+    if bad.any():
+        row = frame[bad].iloc[0]
+        raise UserError(f"{root.describe(table)} line {row.line}: ImageId {row.ImageId[:80]!r} "
+                        "is not '<wnid>_<number>' (its folder would be empty or leave train/); "
+                        "fix or remove the row")
     frame["path"] = TRAIN_DIR + "/" + folders + "/" + frame.ImageId + IMAGE_SUFFIX
     log.warning("train index %s lists only the images with boxes (%d here; about 42%% of "
                 "ImageNet's %s); use train_index = \"cls\" for the full train set",

@@ -18,7 +18,7 @@ from app.errors import UserError
 from app.sample import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
 from app.tables import synset_mapping, train_cls_list, train_solutions, val_solutions
 
-EXAMPLES = settings(max_examples=150, deadline=None,
+EXAMPLES = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 WNIDS = ["n01440764", "n01443537", "n01484850"]
 MAPPING = "".join(f"{w} class {i}, a description\n" for i, w in enumerate(WNIDS))
@@ -127,6 +127,16 @@ def test_image_ids_that_leave_the_root_are_refused(image_id, wnid, table):
         one_line_error(error, f"{table} line 3")
         return
     raise AssertionError(f"{image_id!r} accepted: {list(frame.path)}")
+
+
+@pytest.mark.parametrize("image_id", ["..__1", "_1", "n01440764"])
+def test_train_image_ids_must_name_their_folder(image_id):
+    """Train images live in train/<wnid>/<wnid>_<n>.JPEG: the folder comes from the id."""
+    text = f"ImageId,PredictionString\n{image_id},{WNIDS[0]} 1 2 3 4 \n"
+    with pytest.raises(UserError) as error:
+        train_solutions(memory_root({SYNSET_MAPPING: MAPPING, TRAIN_SOLUTION: text}))
+    one_line_error(error.value, f"{TRAIN_SOLUTION} line 2: ImageId {image_id!r} is not "
+                                "'<wnid>_<number>'")
 
 
 # TOML values of every kind, nested: what a catalog or config file may contain.
