@@ -1,5 +1,5 @@
-"""Checks before training starts, so a run does not fail hours in: the run folder is
-writable with room for the checkpoints it will keep, and the tables' files exist.
+"""Checks before training starts, so a run does not fail hours in: the tables' files exist and
+the run folder has room for the checkpoints it will keep.
 
 Already checked elsewhere, earlier: the catalog and the dataset root (app/catalog.py), the
 tables (app/tables.py) and the GPUs (app/devices.py).
@@ -25,24 +25,11 @@ OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2}  # state tensors per parameter (momentu
 
 
 def check(job: TrainJob, saves: bool) -> None:
-    """`saves`: this process writes the checkpoints (not so for torchrun's other ranks)."""
-    check_run_folder(job)
+    """`saves`: this process writes the checkpoints (not so for torchrun's other ranks). The run
+    folder itself is checked by writing it (app/run.py write_run_folder)."""
     check_listed_files(job)
     if saves:
         remove_stale_temporaries(job)
-
-
-def check_run_folder(job: TrainJob) -> None:
-    """The run folder can be created and written."""
-    folder = Path(job.run_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".preflight.{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as error:
-        raise UserError(f"cannot write the run folder {folder}: {error.strerror}; choose "
-                        "another --output-dir") from None
 
 
 def check_room_for_checkpoints(job: TrainJob, model: nn.Module) -> None:

@@ -38,8 +38,8 @@ def main(argv: list[str]) -> int:
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = launcher.choose_sync(parallel.sync, devices, torchrun)
+    write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (torchrun and torchrun.rank))
-    write_run_folder(job)
     if torchrun:
         code = launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
     else:
