@@ -1,7 +1,8 @@
-"""The one exception type for mistakes a user can make (bad config, missing data, ...).
+"""The one exception type for mistakes a user can make (bad config, missing data, ...), and the
+one way to quote any exception in a one-line message.
 
-bin/ entry points print its message as one line and exit with code 2; everything else
-is a programming error and keeps its traceback.
+bin/ entry points print a UserError's message as one line and exit with code 2; everything
+else is a programming error and keeps its traceback.
 """
 
 USER_ERROR_EXIT_CODE = 2
@@ -12,3 +13,15 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(message.split()))  # always one line
+
+
+def first_line(error: BaseException, limit: int = 160, with_type: bool = False) -> str:
+    """The first non-empty line of an exception's message, at most `limit` characters; the
+    type name when the message is empty (str(error) is "" for many OSErrors and for bare
+    raises), so quoting an exception can never fail itself. `with_type` prefixes the name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    name = type(error).__name__
+    if not lines:
+        return name
+    text = lines[0][:limit]
+    return f"{name}: {text}" if with_type else text

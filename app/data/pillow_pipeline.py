@@ -1,0 +1,112 @@
+"""The Pillow input pipeline: DataLoader processes read, decode and augment on the CPU; the
+training process moves each batch to the device (app/data/device.py).
+
+Images that cannot be read or decoded are skipped and reported with the batch (path and
+reason), never dropped silently. Batches may therefore be shorter than the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from app.data.augment import Recipe, apply_on_pil
+from app.data.decode import BadImage, open_image, to_rgb
+from app.data.device import ToDevice
+from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
+from app.data.reader import BlobReader
+from app.data.sampler import ShardedBatches
+from app.storage import DatasetRoot
+
+
+@dataclass
+class HostBatch:
+    images: torch.Tensor  # uint8 (n, S, S, 3): NHWC, so the device sees channels_last for free
+    labels: torch.Tensor  # int64 (n,)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def pin_memory(self) -> "HostBatch":  # called by DataLoader(pin_memory=True)
+        return HostBatch(self.images.pin_memory(), self.labels.pin_memory(), self.skipped)
+
+
+class ImageDataset(Dataset):
+    """Indexed by (row, augmentation seed) pairs from ShardedBatches; DataLoader hands a whole
+    batch to __getitems__, so its blobs are read concurrently."""
+
+    def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe):
+        self.reader = BlobReader(root)
+        # Fixed-width bytes, not Python strings: forked workers then share these pages
+        # instead of copying them as reference counts change.
+        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
+        self.labels = torch.tensor(frame.label.to_numpy(), dtype=torch.int64)
+        self.recipe = recipe
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, item: tuple[int, int]):
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> list:
+        paths = [self.paths[index].decode("utf-8") for index, _ in items]
+        blobs = self.reader.read_many(paths)
+        return [self.decode(path, blob, index, seed)
+                for path, blob, (index, seed) in zip(paths, blobs, items)]
+
+    def decode(self, path: str, blob: tuple[bytes | None, str], index: int, seed: int):
+        data, reason = blob
+        if data is None:
+            return Skipped(path, reason)
+        try:
+            pixels = apply_on_pil(to_rgb(open_image(data)), self.recipe, seed)
+        except BadImage as error:
+            return Skipped(path, str(error))
+        return pixels, self.labels[index]
+
+
+def collate(items: list) -> HostBatch:
+    good = [item for item in items if not isinstance(item, Skipped)]
+    skipped = [item for item in items if isinstance(item, Skipped)]
+    if not good:  # every image of this batch was bad, or this worker's share was empty
+        return HostBatch(torch.empty(0, 0, 0, 3, dtype=torch.uint8),
+                         torch.empty(0, dtype=torch.int64), skipped)
+    return HostBatch(torch.stack([p for p, _ in good]), torch.stack([l for _, l in good]),
+                     skipped)
+
+
+def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
+                 batches: ShardedBatches, workers: int, pin_memory: bool = False) -> DataLoader:
+    # Remote filesystems (s3fs: an event loop thread, open connections) must not cross a
+    # fork (fsspec/s3fs #914): their loader processes are spawned and open their own.
+    context = None if workers == 0 or root.is_local else "spawn"
+    return DataLoader(ImageDataset(root, frame, recipe), batch_sampler=batches,
+                      num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
+                      persistent_workers=workers > 0, multiprocessing_context=context)
+
+
+class PillowPipeline:
+    def __init__(self, spec: PipelineSpec):
+        self.batches = spec.batches
+        self.to_device = ToDevice(spec.form)
+        self.loader: DataLoader | None = build_loader(
+            spec.root, spec.frame, spec.recipe, spec.batches, spec.workers,
+            pin_memory=spec.form.device.type == "cuda")
+
+    def steps_per_epoch(self) -> int:
+        return self.batches.steps_per_epoch()
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
+        self.batches.set_epoch(epoch, start_step)
+        for batch in self.loader:
+            images, labels = self.to_device(batch.images, batch.labels)
+            yield DeviceBatch(images, labels, batch.skipped)
+
+    def close(self) -> None:
+        self.loader = None  # its persistent worker processes shut down with it
