@@ -8,17 +8,16 @@ into a cache folder on first use.
 from __future__ import annotations
 
 import os
-import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from app import sample
+from app.errors import UserError, first_line
+from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
 from app.tomlfile import read_toml
-from app.errors import UserError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
 
 # Keys an entry may have, with their types; anything else is a typo worth reporting.
 ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -26,76 +25,6 @@ ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "region": str, "profile": str, "endpoint_url": str, "anon": bool,
     "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int,
 }
-
-
-@dataclass(frozen=True)
-class DatasetRoot:
-    """A dataset's root folder on some filesystem. Picklable: the filesystem object itself is
-    created lazily in each process that uses it (fsspec/s3fs clients must not cross a fork)."""
-
-    name: str
-    url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    image_size: int = 0  # the dataset's natural training resolution (0: unknown)
-    options: dict[str, Any] = field(default_factory=dict)  # reader options (cache, concurrency)
-
-    @property
-    def fs(self):
-        return _filesystem(self.url, self.storage_options)[0]
-
-    @property
-    def root(self) -> str:
-        return _filesystem(self.url, self.storage_options)[1]
-
-    @property
-    def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
-
-    def path(self, relative: str) -> str:
-        return posixpath.join(self.root, relative)
-
-    def exists(self, relative: str = "") -> bool:
-        return self.fs.exists(self.path(relative) if relative else self.root)
-
-    def read_bytes(self, relative: str) -> bytes:
-        return self.fs.cat_file(self.path(relative))
-
-    def read_text(self, relative: str) -> str:
-        return self.read_bytes(relative).decode("utf-8")
-
-    def find(self, relative: str) -> list[str]:
-        """All files below `relative`, as paths relative to the root."""
-        base = self.path(relative)
-        return [posixpath.relpath(p, self.root) for p in self.fs.find(base)]
-
-    def describe(self, relative: str = "") -> str:
-        return self.url.rstrip("/") + ("/" + relative if relative else "")
-
-
-_FILESYSTEMS: dict = {}
-
-
-def _filesystem(url: str, options: dict[str, Any]):
-    """One filesystem per (url, options, process): created after fork/spawn, never inherited."""
-    key = (url, repr(sorted(options.items())), os.getpid())
-    if key not in _FILESYSTEMS:
-        import fsspec  # noqa: PLC0415 (s3fs and friends load only for their protocol)
-        # s3fs takes its retry count as an attribute, not as a constructor argument.
-        arguments = {k: v for k, v in options.items() if k != "retries"}
-        try:
-            _FILESYSTEMS[key] = fsspec.core.url_to_fs(url, **arguments)
-            if "retries" in options:
-                _FILESYSTEMS[key][0].retries = options["retries"]
-        except ImportError as error:
-            raise UserError(f"cannot open {url}: {error}; install the package it names") from None
-        except ValueError as error:
-            raise UserError(f"cannot open {url}: {error}") from None
-    return _FILESYSTEMS[key]
-
-
-def _protocols(fs) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 @dataclass(frozen=True)
@@ -129,8 +58,9 @@ class Catalog:
     def names(self) -> list[str]:
         return list(self.entries)
 
-    def open(self, name: str = "") -> DatasetRoot:
-        """Resolve an entry to its root; the root must exist (sample entries are generated)."""
+    def open(self, name: str = "", report: Callable[[str], None] | None = None) -> DatasetRoot:
+        """Resolve an entry to its root; the root must exist (sample entries are generated on
+        first use, which is told to `report`)."""
         name = name or self.default
         if name not in self.entries:
             raise UserError(f"unknown dataset '{name}' in {self.path}; known: "
@@ -138,7 +68,7 @@ class Catalog:
         entry = self.entries[name]
         if "sample" in entry:
             folder = sample.ensure(entry.get("cache_dir") or sample.default_cache_dir(),
-                                   entry["sample"], entry.get("seed", 0))
+                                   entry["sample"], entry.get("seed", 0), report)
             size = entry.get("image_size", sample.PRESETS[entry["sample"]].image_size)
             return DatasetRoot(name, str(folder), {}, size)
         url = self._url(name, entry)
@@ -149,8 +79,8 @@ class Catalog:
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 (botocore/aiohttp errors: say what to check)
-            raise UserError(f"dataset '{name}': cannot reach {url} ({type(error).__name__}: "
-                            f"{str(error).splitlines()[0][:160]}); check the credentials "
+            raise UserError(f"dataset '{name}': cannot reach {url} "
+                            f"({first_line(error, with_type=True)}); check the credentials "
                             "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...), `region` and `endpoint_url`"
                             ) from None
         if not found:

@@ -8,17 +8,21 @@ dataset root before anything is read.
 from __future__ import annotations
 
 import io
-import logging
 import re
 from dataclasses import dataclass
 
 import pandas as pd
 
-from app.catalog import DatasetRoot
 from app.errors import UserError
-from app.sample import SYNSET_MAPPING, TRAIN_CLS, TRAIN_DIR, TRAIN_SOLUTION, VAL_DIR, VAL_SOLUTION
+from app.storage import DatasetRoot
 
-log = logging.getLogger("imagenet_dp")
+# The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge).
+TRAIN_DIR = "ILSVRC/Data/CLS-LOC/train"
+VAL_DIR = "ILSVRC/Data/CLS-LOC/val"
+TRAIN_CLS = "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"
+SYNSET_MAPPING = "LOC_synset_mapping.txt"
+TRAIN_SOLUTION = "LOC_train_solution.csv"
+VAL_SOLUTION = "LOC_val_solution.csv"
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 # File names in the tables: letters, digits, '_', '-', '.'; never '..', '/' or a scheme.
@@ -36,6 +40,7 @@ class Tables:
     val: pd.DataFrame
     wnids: list[str]
     descriptions: list[str]
+    notes: tuple[str, ...] = ()  # warnings worth showing the user; the caller decides how
 
     @property
     def num_classes(self) -> int:
@@ -55,14 +60,18 @@ Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index 
 
 def load_tables(root: DatasetRoot, classes: Classes = 0, train_index: str = "cls") -> Tables:
     index = class_index(root, classes)
+    notes = []
     if train_index == "csv":
         train = train_solutions(root, TRAIN_SOLUTION, index)
+        notes.append(f"train index {TRAIN_SOLUTION} lists only the images with boxes "
+                     f"({len(train)} here; about 42% of ImageNet's {IMAGENET_TRAIN_IMAGES:,}); "
+                     "use train_index = \"cls\" for the full train set")
     elif train_index == "cls":
         train = train_cls_list(root, index)
     else:
         train = train_listing(root, index)
     val = val_solutions(root, VAL_SOLUTION, index)
-    return Tables(train, val, index.wnids, index.descriptions)
+    return Tables(train, val, index.wnids, index.descriptions, tuple(notes))
 
 
 def class_index(root: DatasetRoot, classes: Classes = 0) -> ClassIndex:
@@ -127,9 +136,6 @@ def train_solutions(root: DatasetRoot, table: str = TRAIN_SOLUTION, classes: Cla
                         "is not '<wnid>_<number>' (its folder would be empty or leave train/); "
                         "fix or remove the row")
     frame["path"] = TRAIN_DIR + "/" + folders + "/" + frame.ImageId + IMAGE_SUFFIX
-    log.warning("train index %s lists only the images with boxes (%d here; about 42%% of "
-                "ImageNet's %s); use train_index = \"cls\" for the full train set",
-                table, len(frame), f"{IMAGENET_TRAIN_IMAGES:,}")
     return _finish(frame, root, table)
 
 

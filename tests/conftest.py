@@ -40,7 +40,7 @@ def sample_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sample(sample_cache) -> Path:
-    return sample.ensure(sample_cache, "tiny", 0, log=lambda *_: None)
+    return sample.ensure(sample_cache, "tiny", 0)
 
 
 @pytest.fixture

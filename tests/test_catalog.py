@@ -3,7 +3,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from app.catalog import DEFAULT_CONCURRENCY, Catalog, _storage_options
+from app.catalog import Catalog, _storage_options
+from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
 from app.errors import UserError
 from app.tables import load_tables
 from conftest import REPO, write_catalog
@@ -110,3 +111,13 @@ def test_s3_options_map_to_s3fs_and_carry_no_credentials():
     secrets = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key")
     assert not set(options) & set(secrets)
     assert _storage_options("/data/imagenet", {"region": "eu-west-1"}) == {}
+
+
+def test_an_unreachable_root_whose_error_has_no_message(tmp_path, monkeypatch):
+    """Clients raise errors with an empty message (a bare TimeoutError): still one line."""
+    def time_out(self, relative=""):
+        raise TimeoutError()
+    monkeypatch.setattr(DatasetRoot, "exists", time_out)
+    catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {"far": {"url": "memory://x"}}))
+    with pytest.raises(UserError, match=r"cannot reach memory://x \(TimeoutError\); check"):
+        catalog.open("far")

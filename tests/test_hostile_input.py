@@ -12,10 +12,11 @@ import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from app.catalog import ENTRY_KEYS, Catalog, DatasetRoot
-from app.config import parse_config
+from app.catalog import ENTRY_KEYS, Catalog
+from app.storage import DatasetRoot
+from app.config_sources import parse_config
 from app.errors import UserError
-from app.sample import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
+from app.tables import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
 from app.tables import synset_mapping, train_cls_list, train_solutions, val_solutions
 
 EXAMPLES = settings(max_examples=100, deadline=None,

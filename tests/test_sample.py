@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from app import sample
+from app import sample, tables
 
 
 def digest(folder) -> dict[str, str]:
@@ -24,15 +24,15 @@ def test_kaggle_layout_and_table_formats(tiny_sample):
     spec = sample.PRESETS["tiny"]
     mapping = (tiny_sample / "LOC_synset_mapping.txt").read_text().splitlines()
     assert mapping[0] == "n01440764 tench, Tinca tinca" and len(mapping) == spec.classes
-    listing = (tiny_sample / sample.TRAIN_CLS).read_text().splitlines()
+    listing = (tiny_sample / tables.TRAIN_CLS).read_text().splitlines()
     assert len(listing) == spec.classes * spec.train_per_class
     assert listing[0].split(" ")[1] == "1" and listing[-1].split(" ")[1] == str(len(listing))
     for line in listing:
         entry = line.split(" ")[0]
         wnid, image_id = entry.split("/")
         assert image_id.startswith(wnid + "_")
-        assert (tiny_sample / sample.TRAIN_DIR / f"{entry}.JPEG").is_file()
-    val_files = sorted((tiny_sample / sample.VAL_DIR).iterdir())
+        assert (tiny_sample / tables.TRAIN_DIR / f"{entry}.JPEG").is_file()
+    val_files = sorted((tiny_sample / tables.VAL_DIR).iterdir())
     assert val_files[0].name == "ILSVRC2012_val_00000001.JPEG"
     assert len(val_files) == spec.classes * spec.val_per_class
 
@@ -41,7 +41,7 @@ def test_solution_csvs_look_like_the_real_ones(tiny_sample):
     train = pd.read_csv(tiny_sample / "LOC_train_solution.csv", dtype=str)
     val = pd.read_csv(tiny_sample / "LOC_val_solution.csv", dtype=str)
     assert list(train.columns) == ["ImageId", "PredictionString"]
-    listed = len((tiny_sample / sample.TRAIN_CLS).read_text().splitlines())
+    listed = len((tiny_sample / tables.TRAIN_CLS).read_text().splitlines())
     assert 0.3 * listed < len(train) < 0.7 * listed  # only the "boxed" part of train
     for frame in (train, val):
         assert frame.PredictionString.str.endswith(" ").all()  # the real files' trailing space
@@ -53,7 +53,7 @@ def test_solution_csvs_look_like_the_real_ones(tiny_sample):
 def test_boxes_lie_inside_their_images(tiny_sample):
     val = pd.read_csv(tiny_sample / "LOC_val_solution.csv", dtype=str)
     for image_id, boxes in zip(val.ImageId[:30], val.PredictionString[:30]):
-        width, height = Image.open(tiny_sample / sample.VAL_DIR / f"{image_id}.JPEG").size
+        width, height = Image.open(tiny_sample / tables.VAL_DIR / f"{image_id}.JPEG").size
         numbers = boxes.split()
         for i in range(0, len(numbers), 5):
             x0, y0, x1, y1 = map(int, numbers[i + 1:i + 5])
@@ -62,7 +62,7 @@ def test_boxes_lie_inside_their_images(tiny_sample):
 
 def test_the_real_datas_quirks_are_there(tiny_sample):
     kinds = {"cmyk": [], "png": [], "gray": []}
-    for path in (tiny_sample / sample.TRAIN_DIR).rglob("*.JPEG"):
+    for path in (tiny_sample / tables.TRAIN_DIR).rglob("*.JPEG"):
         image = Image.open(path)
         if image.format == "PNG":
             kinds["png"].append(path)

@@ -1,9 +1,7 @@
-import logging
-
 import pandas as pd
 import pytest
 
-from app.catalog import DatasetRoot
+from app.storage import DatasetRoot
 from app.errors import UserError
 from app.tables import (load_tables, synset_mapping, train_cls_list, train_listing,
                         train_solutions, val_solutions)
@@ -39,11 +37,13 @@ def test_full_list_and_directory_listing_agree(tiny_sample):
     assert all((tiny_sample / p).is_file() for p in by_list.path)
 
 
-def test_csv_index_covers_only_boxed_images_and_warns(tiny_sample, caplog):
+def test_csv_index_covers_only_boxed_images_and_warns(tiny_sample):
     root = root_of(tiny_sample)
-    with caplog.at_level(logging.WARNING, logger="imagenet_dp"):
-        boxed = train_solutions(root, "LOC_train_solution.csv")
-    assert "only the images with boxes" in caplog.text and "42%" in caplog.text
+    boxed = train_solutions(root, "LOC_train_solution.csv")
+    (note,) = load_tables(root, train_index="csv").notes
+    assert "only the images with boxes" in note and "42%" in note
+    assert f"({len(boxed)} here" in note
+    assert load_tables(root).notes == ()  # the full list needs no warning
     full = train_cls_list(root)
     assert 0 < len(boxed) < len(full)
     assert set(boxed.path) <= set(full.path)
