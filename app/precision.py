@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from app.data.augment import normalize
-
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 
 
@@ -39,12 +37,6 @@ class Precision:
         if self.autocast_dtype is torch.float16:
             return torch.amp.GradScaler(self.device.type)
         return None
-
-    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A loader batch (uint8 on the host) -> normalised images and labels on the device."""
-        images = batch.images.to(self.device, non_blocking=True)
-        labels = batch.labels.to(self.device, non_blocking=True)
-        return normalize(images, self.input_dtype, self.channels_last), labels
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device, dtype=self.input_dtype)

@@ -6,12 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from app import sample
-from app.catalog import DatasetRoot
-from app.data.augment import (EvalRecipe, TrainRecipe, center_crop_box, normalize,
-                              random_resized_crop_box)
+from app import sample, tables
+from app.storage import DatasetRoot
+from app.data.augment import EvalRecipe, TrainRecipe, center_crop_box, random_resized_crop_box
 from app.data.decode import BadImage, open_image, to_rgb
-from app.data.loader import Skipped, build_loader
+from app.data.device import ToDevice
+from app.data.pillow_pipeline import build_loader
+from app.data.pipeline import InputFormat, Skipped
 from app.data.sampler import ShardedBatches
 from app.tables import train_cls_list
 
@@ -106,18 +107,34 @@ def test_eval_crop_is_the_resize_then_centre_crop_box():
     assert EvalRecipe(224).plan(256, 512, 0) == ((16, 144, 224, 224), False)
 
 
-def test_normalize_matches_torchvision():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_to_device_normalises_like_torchvision(dtype):
     from torchvision.transforms.v2 import functional as F
     images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
-    expected = F.normalize(images.float() / 255, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    assert torch.allclose(normalize(images), expected, atol=1e-5)
+    expected = F.normalize(images.double() / 255, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    # loaders stack NHWC; the result is NCHW for the model
+    out, labels = ToDevice(InputFormat(torch.device("cpu"), dtype))(
+        images.permute(0, 2, 3, 1).contiguous(), torch.arange(2))
+    assert out.shape == (2, 3, 8, 8) and out.dtype == dtype and out.is_contiguous()
+    assert torch.allclose(out.double(), expected, atol=1e-5) and labels.tolist() == [0, 1]
+
+
+def test_nhwc_batches_become_channels_last_without_a_layout_copy():
+    """The permute of an NHWC batch is already channels_last: the dtype conversion is the only
+    copy, and it keeps the strides."""
+    images = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    out, _ = ToDevice(InputFormat(torch.device("cpu"), channels_last=True))(images,
+                                                                            torch.arange(2))
+    assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == (2, 3, 8, 8)
+    nchw, _ = ToDevice(InputFormat(torch.device("cpu")))(images, torch.arange(2))
+    assert torch.equal(out, nchw)
 
 
 def quirk_image(tiny_sample, kind: str):
     """(path, the pixels the generator drew for it) for the CMYK / PNG / gray train image."""
     label = {"cmyk": 0, "png": 1, "gray": 2}[kind]
     spec = sample.PRESETS["tiny"]
-    folder = tiny_sample / sample.TRAIN_DIR / sample.REAL_SYNSETS[label][0]
+    folder = tiny_sample / tables.TRAIN_DIR / sample.REAL_SYNSETS[label][0]
     # the quirky one is the class's first image: the smallest image number
     path = min(folder.iterdir(), key=lambda p: int(p.stem.split("_")[1]))
     job = sample.ImageJob(str(path), label, (0, 1, label, 0), spec.classes, spec, kind)
@@ -145,7 +162,7 @@ def test_undecodable_bytes_raise_bad_image(data, reason):
 
 
 def test_truncated_jpeg_is_a_bad_image(tiny_sample):
-    data = next((tiny_sample / sample.VAL_DIR).iterdir()).read_bytes()
+    data = next((tiny_sample / tables.VAL_DIR).iterdir()).read_bytes()
     with pytest.raises(BadImage):
         to_rgb(open_image(data[: len(data) // 2]))
 
@@ -165,10 +182,19 @@ def test_loader_skips_and_reports_bad_images(tiny_copy):
         skipped += batch.skipped
         images += len(batch)
         labels.append(batch.labels)
-        assert batch.images.dtype == torch.uint8 and batch.images.shape[1:] == (3, 24, 24)
+        assert batch.images.dtype == torch.uint8 and batch.images.shape[1:] == (24, 24, 3)
     assert sorted(s.path for s in skipped) == sorted(broken)
     reasons = {s.path: s.reason for s in skipped}
     assert reasons[frame.path[20]] == "missing" and reasons[frame.path[3]] == "empty file"
     assert images == len(frame) - 3
     assert sorted(torch.cat(labels).tolist()) == sorted(frame.label.drop([3, 10, 20]).tolist())
     assert isinstance(skipped[0], Skipped)
+
+
+def test_an_exception_without_a_message_makes_a_bad_image_not_a_crash(monkeypatch):
+    """Some decoders raise errors whose str() is empty."""
+    def refuse(*_args, **_kwargs):
+        raise ValueError()
+    monkeypatch.setattr(Image, "open", refuse)
+    with pytest.raises(BadImage, match="not decodable: ValueError"):
+        open_image(b"\xff\xd8 something")

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from app.data.loader import Batch
+from app.data.device import ToDevice
+from app.data.pipeline import InputFormat
 from app.precision import Precision
 
 
@@ -24,10 +25,11 @@ def test_fp16_uses_loss_scaling():
 @pytest.mark.gpu
 def test_inputs_arrive_normalised_in_channels_last_on_the_gpu():
     precision = Precision.from_config("auto", True, "cuda:0")
-    batch = Batch(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8),
-                  torch.arange(4))
-    images, labels = precision.inputs(batch)
-    assert images.is_cuda and images.is_contiguous(memory_format=torch.channels_last)
+    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
+    images, labels = ToDevice(form)(torch.randint(0, 256, (4, 16, 16, 3), dtype=torch.uint8),
+                                    torch.arange(4))
+    assert images.is_cuda and labels.is_cuda
+    assert images.is_contiguous(memory_format=torch.channels_last)
     model = precision.prepare_model(torch.nn.Conv2d(3, 8, 3))
     with precision.autocast():
         assert model(images).dtype is torch.bfloat16

@@ -5,27 +5,31 @@ from __future__ import annotations
 
 import time
 
-from app.catalog import Catalog, DatasetRoot
+import torch
+
+from app.catalog import Catalog
 from app.data.augment import TrainRecipe
-from app.data.loader import build_loader
+from app.data.decoders import build_pipeline
+from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
 from app.data.sampler import ShardedBatches
+from app.storage import DatasetRoot
 from app.tables import load_tables
 
 
-def batches_forever(loader, sampler: ShardedBatches):
+def batches_forever(pipeline: InputPipeline):
     epoch = 0
     while True:
-        sampler.set_epoch(epoch)
-        yield from loader
+        yield from pipeline.epoch(epoch)
         epoch += 1
 
 
-def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, batches: int
-            ) -> dict:
+def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, batches: int,
+            decoder: str = "pillow") -> dict:
     frame = load_tables(root).train
-    sampler = ShardedBatches(len(frame), batch_size, seed=0)
-    loader = build_loader(root, frame, TrainRecipe(image_size), sampler, workers)
-    stream = batches_forever(loader, sampler)
+    pipeline = build_pipeline(decoder, PipelineSpec(
+        root, frame, TrainRecipe(image_size), ShardedBatches(len(frame), batch_size, seed=0),
+        workers, InputFormat(torch.device("cpu"))))
+    stream = batches_forever(pipeline)
     next(stream)  # start-up (processes, connections) is not throughput
     images = skipped = 0
     started = time.perf_counter()
@@ -34,8 +38,8 @@ def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, b
         images += len(batch)
         skipped += len(batch.skipped)
     elapsed = time.perf_counter() - started
-    stream.close()  # stop the loader processes before the next dataset starts its own
-    del loader
+    stream.close()
+    pipeline.close()  # stop the loader processes before the next dataset starts its own
     return {"dataset": root.name, "url": root.url, "images": images + skipped,
             "skipped": skipped, "seconds": elapsed, "images_per_s": (images + skipped) / elapsed}
 

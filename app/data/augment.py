@@ -1,8 +1,8 @@
 """Train and eval recipes: where to crop, whether to flip, and normalisation.
 
-Crop boxes are computed from the image size and a per-image seed, so any decoder (Pillow here,
-a batched GPU path later) applies the same recipe. Loaders ship uint8 pixels; normalising to
-float happens on the training device, batched (4x less data through the loader queues).
+Crop boxes are computed from the image size and a per-image seed, so any decoder applies the
+same recipe. Loaders ship uint8 pixels; normalising to float happens on the training device,
+batched (app/data/device.py).
 """
 
 from __future__ import annotations
@@ -78,21 +78,10 @@ Recipe = TrainRecipe | EvalRecipe
 
 
 def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
-    """Crop, resize (antialiased bilinear) and flip an RGB image -> uint8 tensor (3, S, S)."""
+    """Crop, resize (antialiased bilinear) and flip an RGB image -> uint8 tensor (S, S, 3)."""
     (top, left, h, w), flip = recipe.plan(image.height, image.width, seed)
     out = image.resize((recipe.size, recipe.size), Image.Resampling.BILINEAR,
                        box=(left, top, left + w, top + h))
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)
-
-
-def normalize(images: torch.Tensor, dtype: torch.dtype = torch.float32,
-              channels_last: bool = False) -> torch.Tensor:
-    """uint8 (B, 3, H, W) on the device -> normalised float batch for the model."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1) * 255
-    out = (images.float() - mean) / std
-    if channels_last:
-        out = out.contiguous(memory_format=torch.channels_last)
-    return out.to(dtype)
+    return torch.from_numpy(np.asarray(out).copy())

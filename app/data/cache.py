@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 from pathlib import Path
+
+from app.files import write_atomically
 
 LEDGER = ".bytes"  # total bytes admitted so far, updated under an exclusive file lock
 
@@ -39,9 +40,7 @@ class DiskCache:
             return
         target = self.folder / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, target)  # readers see the whole file or none
+        write_atomically(target, data)  # readers see the whole file or none
 
     def _admit(self, size: int) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ import warnings
 
 from PIL import Image
 
+from app.errors import first_line
+
 # Decoding errors that mean "this file is not a usable image" rather than a bug here.
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
@@ -41,4 +43,4 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def _reason(error: Exception, data: bytes) -> str:
     if not data:
         return "empty file"
-    return f"not decodable: {str(error).splitlines()[0][:120] or type(error).__name__}"
+    return f"not decodable: {first_line(error, 120)}"

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
-from app.catalog import DEFAULT_CONCURRENCY, DatasetRoot
+from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
 from app.data.cache import DiskCache
+from app.errors import first_line
 
 ATTEMPTS = 3  # per blob, on top of s3fs/botocore's own retries
 BACKOFF_S = 0.2  # doubled after each failed attempt
@@ -63,7 +64,7 @@ class BlobReader:
             todo = retry
         for path in todo:
             results[path] = (None, f"unreadable after {self.attempts} attempts: "
-                                   f"{describe(errors[path])}")
+                                   f"{first_line(errors[path], with_type=True)}")
         return [results[path] for path in paths]
 
     def fetch(self, paths: list[str]) -> dict[str, bytes | BaseException]:
@@ -79,7 +80,3 @@ class BlobReader:
             out = {next(iter(full)): out}
         return {path: out.get(key, FileNotFoundError(path)) for key, path in full.items()}
 
-
-def describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,0 +1,70 @@
+"""The input-pipeline contract: what the trainer needs from whichever decoder feeds it.
+
+A pipeline is built once per split and worker. For an epoch (starting at a given step, so a
+resumed run continues mid-epoch) it yields batches that are already on the training device:
+normalised images in the model's dtype and memory format, labels, and the images it had to skip
+(never dropped silently). Which images form each batch and how each one is cropped and flipped
+come from ShardedBatches and the recipe's plan(), so every implementation yields the same
+batches for the same (seed, epoch).
+
+Implementations, chosen by name with `data.decoder` (app/data/decoders.py): Pillow in a
+DataLoader (app/data/pillow_pipeline.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import pandas as pd
+import torch
+
+from app.data.augment import Recipe
+from app.data.sampler import ShardedBatches
+from app.storage import DatasetRoot
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An image that could not be read or decoded, and why."""
+    path: str
+    reason: str
+
+
+@dataclass
+class DeviceBatch:
+    images: torch.Tensor  # (n, 3, S, S) normalised, on the training device, model dtype/format
+    labels: torch.Tensor  # (n,) int64 on the training device
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]  # a shape, known on the host: no device sync
+
+
+@dataclass(frozen=True)
+class InputFormat:
+    """What the model wants its inputs to look like."""
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Everything a pipeline is built from: one split of one dataset for one worker."""
+    root: DatasetRoot
+    frame: pd.DataFrame  # [path, label]
+    recipe: Recipe
+    batches: ShardedBatches  # this worker's batches of each epoch
+    workers: int  # CPU processes (or threads) that read and decode
+    form: InputFormat
+
+
+class InputPipeline(Protocol):
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
+        """The batches of `epoch` from step `start_step` on."""
+
+    def steps_per_epoch(self) -> int: ...
+
+    def close(self) -> None:
+        """Stop background processes; the pipeline is not used afterwards."""
