@@ -22,8 +22,10 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -m gpu
 
+# make bench BENCH="loader --dataset sample_bench": any bin/bench.py sub-command and its flags
+BENCH ?= sync
 bench: setup
-	$(PY) bin/bench.py
+	$(PY) bin/bench.py $(BENCH)
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from app.errors import UserError
+from app.errors import UserError, first_line
+from app.files import TEMPORARY_SUFFIX, atomic_path, fsync_folder
 
 FORMAT = "imagenet-dp/1"
 
@@ -69,44 +70,22 @@ def _as_tuples(value: Any) -> Any:
 
 
 def save(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write atomically: temporary file in the same folder, fsync, rename, fsync the folder.
-    A crash at any point leaves either the old or the new checkpoint, never a torn one."""
+    """Write durably and atomically (temporary file, fsync, rename, fsync the folder): a crash
+    at any point leaves either the old or the new checkpoint, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = _temporary(path)
-    try:
-        with open(temporary, "wb") as handle:
-            torch.save({"format": FORMAT, **to_cpu(payload)}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    _fsync_folder(path.parent)
-
-
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _fsync_folder(folder: Path) -> None:
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+    with atomic_path(path, durable=True) as temporary:
+        torch.save({"format": FORMAT, **to_cpu(payload)}, temporary)
 
 
 def _point(name: Path, target: Path) -> None:
     """Make `name` another name of `target`, atomically (a hard link renamed into place;
     a copy where the filesystem has no hard links)."""
-    temporary = _temporary(name)
-    temporary.unlink(missing_ok=True)
-    try:
-        os.link(target, temporary)
-    except OSError:
-        shutil.copyfile(target, temporary)
-    os.replace(temporary, name)
+    with atomic_path(name) as temporary:
+        try:
+            os.link(target, temporary)
+        except OSError:
+            shutil.copyfile(target, temporary)
 
 
 class CheckpointFolder:
@@ -119,6 +98,7 @@ class CheckpointFolder:
         self.keep = max(1, keep)
 
     def save(self, payload: dict[str, Any], step: int, best: bool = False) -> Path:
+        """Returns the path of the new step-<N>.pt (last.pt now names it too)."""
         path = self.folder / f"step-{step:09d}.pt"
         save(path, payload)
         _point(self.folder / "last.pt", path)
@@ -129,12 +109,12 @@ class CheckpointFolder:
         saved = sorted(self.folder.glob("step-*.pt"), key=lambda p: p.stat().st_mtime_ns)
         for old in saved[:-self.keep]:
             old.unlink(missing_ok=True)  # last.pt and best.pt keep their data alive
-        _fsync_folder(self.folder)
-        return self.folder / "last.pt"
+        fsync_folder(self.folder)
+        return path
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Half-written files of processes that were killed while saving."""
-        stale = [p for p in self.folder.glob(".*.tmp") if p.is_file()]
+        stale = [p for p in self.folder.glob(f".*{TEMPORARY_SUFFIX}") if p.is_file()]
         for path in stale:
             path.unlink(missing_ok=True)
         return stale
@@ -149,9 +129,8 @@ def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError) as error:
-        first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
         raise UserError(f"checkpoint {path} is truncated, corrupt or not an imagenet-dp "
-                        f"checkpoint ({type(error).__name__}: {first})") from None
+                        f"checkpoint ({first_line(error, 120, with_type=True)})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} was not written by imagenet-dp "
                         f"(expected format {FORMAT})")

@@ -3,43 +3,53 @@ workers (never averages of averages)."""
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 import torch.nn as nn
 
+from app.data.pipeline import DeviceBatch, Skipped
 from app.parallel import GradientSync
 from app.precision import Precision
 
 
 def correct_counts(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)
-                   ) -> list[torch.Tensor]:
+                   ) -> torch.Tensor:
     """How many samples have their label among the top-k logits, for each k (on the device)."""
     k_max = min(max(ks), logits.shape[1])
     top = logits.topk(k_max, dim=1).indices
-    hits = top == labels[:, None]
-    return [hits[:, :min(k, k_max)].any(dim=1).sum() for k in ks]
+    hits = (top == labels[:, None]).cumsum(dim=1).clamp_(max=1)  # hit within the first j
+    return hits[:, [min(k, k_max) - 1 for k in ks]].sum(dim=0)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, precision: Precision, sync: GradientSync,
-             skipped: list | None = None) -> dict:
-    """Metrics over the whole val set; this worker's unreadable images go to `skipped`."""
+def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precision,
+             sync: GradientSync, on_skipped: Callable[[list[Skipped]], None] | None = None
+             ) -> dict:
+    """Metrics over the whole val set; this worker's unreadable images go to `on_skipped`.
+    Sums stay on the device until the one reduction at the end; image counts are known on
+    the host."""
     model.eval()
-    # correct@1, correct@5, summed loss, images, skipped: one tensor, one reduction at the end
-    totals = torch.zeros(5, dtype=torch.float64, device=precision.device)
-    for batch in loader:
-        totals[4] += len(batch.skipped)
-        if skipped is not None:
-            skipped += batch.skipped
+    device = precision.device
+    correct = torch.zeros(2, dtype=torch.float64, device=device)  # top-1, top-5
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+    images = skipped = 0
+    for batch in batches:
+        skipped += len(batch.skipped)
+        if on_skipped and batch.skipped:
+            on_skipped(batch.skipped)
         if not len(batch):
             continue
-        images, labels = precision.inputs(batch)
         with precision.autocast():
-            logits = model(images)
-        loss = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        top1, top5 = correct_counts(logits, labels)
-        totals[:4] += torch.stack([top1, top5, loss, torch.tensor(len(labels), device=loss.device)]
-                                  ).to(totals.dtype)
-    correct1, correct5, loss_sum, count, skipped = sync.sum_across_workers(totals).tolist()
-    count = max(count, 1)
-    return {"val/top1": correct1 / count, "val/top5": correct5 / count,
-            "val/loss": loss_sum / count, "val/images": int(count), "val/skipped": int(skipped)}
+            logits = model(batch.images)
+        loss_sum += nn.functional.cross_entropy(logits.float(), batch.labels, reduction="sum")
+        correct += correct_counts(logits, batch.labels)
+        images += len(batch)
+    counts = torch.tensor([images, skipped], dtype=torch.float64).to(device)
+    correct1, correct5, loss, count, skipped = sync.sum_across_workers(
+        torch.cat([correct, loss_sum, counts])).tolist()
+
+    def mean(total: float) -> float:  # NaN when every val image was skipped: nothing to rate
+        return total / count if count else float("nan")
+    return {"val/top1": mean(correct1), "val/top5": mean(correct5), "val/loss": mean(loss),
+            "val/images": int(count), "val/skipped": int(skipped)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.catalog import DatasetRoot
+from app.storage import DatasetRoot
 from app.config import Config
 from app.tables import Tables
 

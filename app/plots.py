@@ -7,12 +7,12 @@ so it is safe inside a training process.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from app.errors import UserError
+from app.files import atomic_path
 
 
 def load_metrics(path: str | Path) -> pd.DataFrame:
@@ -69,10 +69,8 @@ def draw_curves(runs: dict[str, pd.DataFrame], path: str | Path) -> None:
         if axis.lines:
             axis.legend(fontsize="small")
     figure.suptitle(", ".join(runs))
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
-    figure.savefig(temporary, dpi=90)
-    os.replace(temporary, path)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, dpi=90, format="png")
 
 
 def main(argv: list[str]) -> int:

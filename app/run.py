@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+from app import skipped
 from app.catalog import Catalog
 from app.devices import TorchrunEnv
-from app.config import Config, dump_toml, parse_config
+from app.config import Config
+from app.config_sources import dump_toml, parse_config
 from app.errors import UserError
+from app.files import write_atomically
 from app.interrupts import PREEMPTED_EXIT_CODE
 from app.job import TrainJob
 from app.tables import load_tables
@@ -34,16 +37,19 @@ def main(argv: list[str]) -> int:
     # torch and timm take seconds to import: only now, so mistakes above are reported at once.
     from app import preflight  # noqa: PLC0415
     from app.devices import worker_devices  # noqa: PLC0415
-    from app.parallel import launcher  # noqa: PLC0415
+    from app.parallel.launcher import Stopping, launch  # noqa: PLC0415
+    from app.parallel.plans import choose_sync  # noqa: PLC0415
+    from app.worker import torchrun_process, train_process  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
-    mode = launcher.choose_sync(parallel.sync, devices, torchrun)
+    mode = choose_sync(parallel.sync, devices, torchrun)
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (torchrun and torchrun.rank))
     if torchrun:
-        code = launcher.run_torchrun(job, torchrun, torchrun_device(devices, torchrun))
+        code = torchrun_process(job, torchrun, torchrun_device(devices, torchrun))
     else:
-        code = launcher.run_job(job, devices, mode)
+        stopping = Stopping(config.run.checkpoint_interval, config.run.stop_timeout)
+        code = launch(train_process, job, devices, mode, parallel, stopping)
     if code == PREEMPTED_EXIT_CODE and not (torchrun and torchrun.rank):
         print(resume_hint(job), file=sys.stderr)
     return code
@@ -69,8 +75,10 @@ def prepare_job(config: Config) -> TrainJob:
     """Resolve everything a worker needs: dataset, tables, image size, run name, resume."""
     catalog = Catalog.load(config.data.catalog)
     resume_from, name = resolve_resume(config)
-    root = catalog.open(config.data.dataset)
+    root = catalog.open(config.data.dataset, report=log.info)
     tables = load_tables(root, config.data.classes, config.data.train_index)
+    for note in tables.notes:
+        log.warning("%s", note)
     image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.output_dir) / name
@@ -122,14 +130,13 @@ def resumed_run_id(checkpoint_path: str) -> str:
 
 
 def write_run_folder(job: TrainJob) -> None:
-    """Create runs/<name>/ and write the resolved config.toml (temporary file + rename, so
-    several processes under torchrun never leave a half-written file)."""
+    """Create runs/<name>/ with the resolved config.toml (atomically: several processes under
+    torchrun write it at once) and the header of skipped.tsv."""
     path = Path(job.run_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        temporary = path / f".config.toml.{os.getpid()}"
-        temporary.write_text(dump_toml(job.config))
-        os.replace(temporary, path / "config.toml")
+        write_atomically(path / "config.toml", dump_toml(job.config))
+        skipped.create(path)
     except OSError as error:
         raise UserError(f"cannot write the run folder {path}: {error.strerror}; choose another "
                         "--output-dir") from None

@@ -1,186 +1,294 @@
-"""The training loop of one worker: batch -> forward -> backward -> GradientSync -> step.
+"""One worker's training. The Trainer owns the worker's state (model, optimizer, LR schedule,
+grad scaler, precision, input pipelines, position, epoch sums) and runs its loop.
 
-Everything parallel hides behind `sync` (one call per step); everything about numerics behind
-`precision`; saving and stopping on request behind `requests` (app/interrupts.py), polled once
-per step. Metrics stay on the device and are fetched every print interval, not every step.
+The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
+save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
+forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
+`precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
+on the device and are fetched every print interval, not every step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from app import preflight, run_state
+from app import checkpoint, preflight, run_state
 from app.data.augment import EvalRecipe, TrainRecipe
-from app.data.loader import build_loader
+from app.data.decoders import build_pipeline
+from app.data.pipeline import DeviceBatch, InputFormat, InputPipeline, PipelineSpec
 from app.data.sampler import ShardedBatches
 from app.devices import WorkerEnv
 from app.evaluate import evaluate
 from app.interrupts import NoRequests, Requests
 from app.job import TrainJob
-from app.loggers import Logger
+from app.loggers import Logger, NullLogger
 from app.models import create_model
-from app.optim import build_optimizer, build_scheduler
+from app.optim import build_optimizer, build_scheduler, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
-from app.run_state import Progress
+from app.skipped import SkippedLog, check_bad_fraction
 
 
 @dataclass
-class Parts:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler | None
-    criterion: nn.Module
-    precision: Precision
-    train_batches: ShardedBatches
-    train_loader: torch.utils.data.DataLoader
-    val_loader: torch.utils.data.DataLoader
-    # This worker's sums over the current epoch: loss x images, images, skipped images.
-    epoch_sums: torch.Tensor
-    skipped: list = field(default_factory=list)  # (epoch, split, path, reason) not yet written
+class Position:
+    epoch: int = 0  # epochs completed
+    epoch_step: int = 0  # steps done in the current epoch (non-zero: a mid-epoch checkpoint)
+    step: int = 0  # optimizer steps taken
 
 
-def build_parts(job: TrainJob, env: WorkerEnv) -> Parts:
-    config = job.config
-    torch.manual_seed(config.train.seed)  # identical initial weights on every replica
-    precision = Precision.from_config(config.train.amp, config.train.channels_last, env.device,
-                                      config.train.dtype)
-    model = precision.prepare_model(create_model(config.model.arch, job.tables.num_classes,
-                                                 config.model.norm))
-    train_batches = ShardedBatches(len(job.tables.train), config.train.batch_size, rank=env.rank,
-                                   world_size=env.world_size, seed=config.train.seed)
-    val_batches = ShardedBatches(len(job.tables.val), config.train.batch_size, rank=env.rank,
-                                 world_size=env.world_size, shuffle=False)
-    optimizer = build_optimizer(model, config.optim, train_batches.global_batch)
-    scheduler = build_scheduler(optimizer, config.optim, train_batches.steps_per_epoch(),
-                                config.train.epochs)
-    pin = precision.device.type == "cuda"
-    workers = config.data.workers
-    return Parts(
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=precision.grad_scaler(),
-        criterion=nn.CrossEntropyLoss(label_smoothing=config.optim.label_smoothing),
-        precision=precision, train_batches=train_batches,
-        train_loader=build_loader(job.root, job.tables.train, TrainRecipe(job.image_size),
-                                  train_batches, workers, pin),
-        val_loader=build_loader(job.root, job.tables.val, EvalRecipe(job.image_size),
-                                val_batches, workers, pin),
-        epoch_sums=torch.zeros(3, dtype=torch.float64, device=precision.device))
+@dataclass(frozen=True)
+class Finished:
+    metrics: dict  # the last epoch's metrics (or the evaluation's)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    step: int  # stopped on request after this step, with a checkpoint saved
+
+
+Outcome = Finished | Stopped
+
+
+class Tally:
+    """Running sums over some steps: loss x images on the device (no sync per step), image
+    counts on the host (known without asking the device)."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.images = 0
+        self.skipped = 0
+
+    def add(self, loss: torch.Tensor | None, images: int, skipped: int) -> None:
+        if loss is not None:
+            self.loss_sum.add_(loss, alpha=images)
+        self.images += images
+        self.skipped += skipped
+
+    def move_into(self, other: "Tally") -> None:
+        other.loss_sum.add_(self.loss_sum)
+        other.images += self.images
+        other.skipped += self.skipped
+        self.loss_sum.zero_()
+        self.images = self.skipped = 0
+
+    def as_tensor(self) -> torch.Tensor:
+        """[loss x images, images, skipped]: one tensor, one reduction across workers."""
+        counts = torch.tensor([self.images, self.skipped], dtype=torch.float64)
+        return torch.cat([self.loss_sum.view(1), counts.to(self.loss_sum.device)])
+
+    def load(self, sums: torch.Tensor) -> None:
+        loss_sum, images, skipped = sums.tolist()
+        self.loss_sum.fill_(loss_sum)
+        self.images, self.skipped = int(images), int(skipped)
 
 
 def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
-                 requests: Requests | None = None) -> dict:
-    """Train (or only evaluate) as configured; returns the last epoch's metrics, or
-    {"stopped_at_step": N} when a stop was requested (a checkpoint was saved first)."""
-    requests = requests or NoRequests()
-    parts = build_parts(job, env)
-    if env.is_primary and not job.config.run.evaluate:
-        preflight.check_room_for_checkpoints(job, parts.model)
-    progress = Progress()
-    state = run_state.restore(parts, job.resume_from, progress, env) if job.resume_from else {}
-    parts.model = sync.prepare(parts.model)
-    if state:
-        run_state.restore_replica(parts.model, state, env)
-    if job.config.run.evaluate:
-        metrics = evaluate(parts.model, parts.val_loader, parts.precision, sync)
-        logger.log_metrics(progress.step, {"epoch": progress.epoch, **metrics})
-        return metrics
-    requests.poll(env.rank, progress.step)  # tells the driver this worker is training
-    metrics: dict = {}
-    for epoch in range(progress.epoch, job.config.train.epochs):
-        started = time.perf_counter()
-        if not train_one_epoch(parts, job, sync, env, progress, logger, requests):
-            return {"stopped_at_step": progress.step}
-        metrics = end_epoch(parts, job, sync, env, progress)
+                 requests: Requests | None = None) -> Outcome:
+    """Train (or only evaluate) as configured, continuing from job.resume_from if given."""
+    trainer = Trainer(job, env, sync, logger, requests or NoRequests())
+    try:
+        if job.resume_from:
+            trainer.load_state_dict(run_state.load(job.resume_from, env))
+        if job.config.run.evaluate:
+            return Finished(trainer.evaluate_and_log())
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    def __init__(self, job: TrainJob, env: WorkerEnv, sync: GradientSync,
+                 logger: Logger | None = None, requests: Requests | None = None):
+        config = job.config
+        self.job, self.env, self.sync = job, env, sync
+        self.logger = logger or NullLogger()
+        self.requests = requests or NoRequests()
+        self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
+                                               env.device, config.train.dtype)
+        torch.manual_seed(config.train.seed)  # identical initial weights on every replica
+        model = self.precision.prepare_model(
+            create_model(config.model.arch, job.tables.num_classes, config.model.norm))
+        self.train_data, self.val_data = build_pipelines(job, env, self.precision)
+        steps = self.train_data.steps_per_epoch()
+        self.optimizer = build_optimizer(model, config.optim,
+                                         config.train.batch_size * env.world_size)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
+        self.scaler = self.precision.grad_scaler()
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=config.optim.label_smoothing)
+        self.position = Position()
+        self.best_top1 = -1.0
+        self.epoch_sums = Tally(self.precision.device)
+        self.interval = Tally(self.precision.device)
+        self.skipped = SkippedLog(job.run_dir)
+        if env.is_primary and not config.run.evaluate:
+            preflight.check_room_for_checkpoints(job, model)
+        self.model = sync.prepare(model)
+
+    # --- state: what a checkpoint holds (app/run_state.py writes and reads it) -------------
+
+    def state_dict(self) -> dict:
+        self.interval.move_into(self.epoch_sums)  # a checkpoint holds every image counted
+        bare = checkpoint.unwrap(self.model)
+        return {
+            "model": bare.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+            "epoch": self.position.epoch, "epoch_step": self.position.epoch_step,
+            "step": self.position.step, "best_top1": self.best_top1,
+            "epoch_sums": self.epoch_sums.as_tensor(),  # this worker's share
+            "replica": {"buffers": {name: b.detach().cpu().clone()
+                                    for name, b in bare.named_buffers() if b.is_floating_point()},
+                        "rng": checkpoint.rng_states()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        checkpoint.load_model_weights(self.model, state["model"], self.job.resume_from)
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_scheduler(self.scheduler, state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.position = Position(state["epoch"], state["epoch_step"], state["step"])
+        self.best_top1 = state["best_top1"]
+        if "epoch_sums" in state:
+            self.epoch_sums.load(state["epoch_sums"])
+        replica = state.get("replica")
+        if replica:
+            buffers = dict(checkpoint.unwrap(self.model).named_buffers())
+            with torch.no_grad():
+                for name, values in replica["buffers"].items():
+                    buffers[name].copy_(values)
+            checkpoint.set_rng_states(replica["rng"])
+
+    def save(self, top1: float | None = None) -> Path | None:
+        """Collective: every worker calls it at the same step. Returns the checkpoint's path
+        on the primary (None elsewhere)."""
+        best = top1 is not None and top1 > self.best_top1
+        if best:
+            self.best_top1 = top1
+        return run_state.save(self.state_dict(), self.sync, self.env, self.job, best)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def fit(self) -> Outcome:
+        self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
+        metrics: dict = {}
+        while self.position.epoch < self.job.config.train.epochs:
+            started = time.perf_counter()
+            if not self.train_epoch():
+                return Stopped(self.position.step)
+            metrics = self.end_epoch(started)
+        return Finished(metrics)
+
+    def train_epoch(self) -> bool:
+        """Train the rest of the current epoch; False when stopped on request."""
+        self.model.train()
+        epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
+        steps = self.train_data.steps_per_epoch()
+        started = tick = time.perf_counter()
+        for batch in self.train_data.epoch(epoch, start_step=self.position.epoch_step):
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            loss = self.train_step(batch)
+            self.position.step += 1
+            self.position.epoch_step += 1
+            self.interval.add(loss, len(batch), len(batch.skipped))
+            self.skipped.add(epoch + 1, "train", batch.skipped)
+            if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
+                now = time.perf_counter()
+                self.log_interval(lr, now - tick, now - started)
+                tick = now
+            action = self.requests.poll(self.env.rank, self.position.step)
+            if action.save:
+                self.save()
+            if action.stop:
+                return False
+        return True
+
+    def train_step(self, batch: DeviceBatch) -> torch.Tensor | None:
+        """One optimizer step; returns this worker's mean loss (on the device; None without
+        images). The seam: gradients ready -> sync -> optimizer step."""
+        images = len(batch)
+        loss = None
+        with self.sync.step(images) as loss_scale:
+            if images:  # a worker without usable images still takes part in the sync
+                with self.precision.autocast():
+                    loss = self.criterion(self.model(batch.images), batch.labels)
+                scaled = loss * loss_scale if loss_scale != 1.0 else loss
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if self.sync.finish_step():  # every .grad is now the average over all workers' images
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss.detach() if loss is not None else None
+
+    def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
+        """The print interval's mean loss: the one device->host copy of the interval."""
+        images = self.interval.images
+        loss = self.interval.loss_sum.item() / max(images, 1)
+        self.interval.move_into(self.epoch_sums)
+        self.logger.log_metrics(self.position.step, {
+            "epoch": self.position.epoch + 1, "train/loss": loss, "train/lr": lr,
+            "train/images_per_sec": images * self.env.world_size / seconds,
+            "progress/epoch_step": self.position.epoch_step,
+            "progress/epoch_steps": self.train_data.steps_per_epoch(),
+            "progress/epoch_time_s": epoch_seconds})
+
+    def end_epoch(self, started: float) -> dict:
+        """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics."""
+        self.interval.move_into(self.epoch_sums)
+        loss_sum, images, skipped = self.sync.sum_across_workers(
+            self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
+        self.epoch_sums = Tally(self.precision.device)
+        self.sync.average_buffers(self.model)
+        val = self.evaluate()
+        self.position = Position(self.position.epoch + 1, 0, self.position.step)
+        metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
+                   "train/images": int(images), "train/skipped": int(skipped), **val}
+        path = self.save(top1=metrics["val/top1"])
         metrics["epoch/time_s"] = time.perf_counter() - started
-        logger.log_metrics(progress.step, metrics)
-        every = job.config.logging.save_weights_every
-        if every and progress.epoch % every == 0:
-            logger.log_artifact(job.checkpoint_dir / "last.pt", f"weights-{job.run_id}", "model",
-                                aliases=(f"epoch-{progress.epoch}",))
-        run_state.check_bad_fraction(metrics, job)
-    return metrics
+        self.logger.log_metrics(self.position.step, metrics)
+        every = self.job.config.logging.save_weights_every
+        if path and every and self.position.epoch % every == 0:
+            self.logger.log_artifact(path, f"weights-{self.job.run_id}", "model",
+                                     aliases=(f"epoch-{self.position.epoch}",))
+        check_bad_fraction(metrics, self.job.config.data.max_bad_fraction, self.job.run_dir)
+        return metrics
+
+    def evaluate(self) -> dict:
+        epoch = self.position.epoch + 1  # the epoch this evaluation ends
+        return evaluate(self.model, self.val_data.epoch(0), self.precision, self.sync,
+                        on_skipped=lambda images: self.skipped.add(epoch, "val", images))
+
+    def evaluate_and_log(self) -> dict:
+        metrics = self.evaluate()
+        self.logger.log_metrics(self.position.step, {"epoch": self.position.epoch, **metrics})
+        return metrics
+
+    def close(self) -> None:
+        self.train_data.close()
+        self.val_data.close()
 
 
-def train_one_epoch(parts: Parts, job: TrainJob, sync: GradientSync, env: WorkerEnv,
-                    progress: Progress, logger: Logger, requests: Requests) -> bool:
-    """Train the rest of epoch `progress.epoch`; False when stopped on request."""
-    parts.model.train()
-    parts.train_batches.set_epoch(progress.epoch, start_step=progress.epoch_step)
-    steps = parts.train_batches.steps_per_epoch()
-    print_freq = job.config.train.print_freq
-    interval = torch.zeros(2, dtype=torch.float64, device=parts.precision.device)
-    tick = started = time.perf_counter()
-    for batch in parts.train_loader:
-        lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        loss, weight = train_step(parts, batch, sync)
-        progress.step += 1
-        progress.epoch_step += 1
-        interval[0] += loss * weight
-        interval[1] += weight
-        parts.epoch_sums[2] += len(batch.skipped)
-        parts.skipped += [(progress.epoch + 1, "train", s.path, s.reason) for s in batch.skipped]
-        if progress.epoch_step % print_freq == 0 or progress.epoch_step == steps:
-            now = time.perf_counter()
-            loss_sum, images = interval.tolist()
-            parts.epoch_sums[:2] += interval
-            logger.log_metrics(progress.step, {
-                "epoch": progress.epoch + 1, "train/loss": loss_sum / max(images, 1),
-                "train/lr": lr, "train/images_per_sec": images * env.world_size / (now - tick),
-                "progress/epoch_step": progress.epoch_step, "progress/epoch_steps": steps,
-                "progress/epoch_time_s": now - started})
-            interval.zero_()
-            tick = now
-        action = requests.poll(env.rank, progress.step)
-        if action.save:
-            parts.epoch_sums[:2] += interval  # a checkpoint holds every image counted so far
-            interval.zero_()
-            run_state.save(parts, job, sync, env, progress)
-        if action.stop:
-            return False
-    return True
-
-
-def end_epoch(parts: Parts, job: TrainJob, sync: GradientSync, env: WorkerEnv,
-              progress: Progress) -> dict:
-    """Average BatchNorm statistics, evaluate, save: the epoch's metrics."""
-    totals = sync.sum_across_workers(parts.epoch_sums).tolist()  # one reduction per epoch
-    parts.epoch_sums.zero_()
-    sync.average_buffers(parts.model)
-    val_skipped: list = []
-    metrics = evaluate(parts.model, parts.val_loader, parts.precision, sync, val_skipped)
-    progress.epoch += 1
-    progress.epoch_step = 0
-    parts.skipped += [(progress.epoch, "val", s.path, s.reason) for s in val_skipped]
-    metrics = {"epoch": progress.epoch, "train/epoch_loss": totals[0] / max(totals[1], 1),
-               "train/images": int(totals[1]), "train/skipped": int(totals[2]), **metrics}
-    run_state.save(parts, job, sync, env, progress, top1=metrics["val/top1"])
-    return metrics
-
-
-def train_step(parts: Parts, batch, sync: GradientSync) -> tuple[torch.Tensor, int]:
-    """One optimizer step; returns the (device) mean loss of this worker's images and their
-    count. The seam: gradients ready -> sync -> optimizer step."""
-    weight = len(batch)
-    loss = torch.zeros((), device=parts.precision.device)
-    with sync.step(weight) as loss_scale:
-        if weight:  # a worker without usable images still takes part in the sync
-            images, labels = parts.precision.inputs(batch)
-            with parts.precision.autocast():
-                loss = parts.criterion(parts.model(images), labels)
-            scaled = loss * loss_scale if loss_scale != 1.0 else loss
-            (parts.scaler.scale(scaled) if parts.scaler else scaled).backward()
-            loss = loss.detach()
-    if sync.finish_step():  # every .grad is now the average over all workers' images
-        if parts.scaler:
-            parts.scaler.step(parts.optimizer)
-            parts.scaler.update()
-        else:
-            parts.optimizer.step()
-    parts.optimizer.zero_grad(set_to_none=True)
-    parts.scheduler.step()
-    return loss.float(), weight
+def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
+                    ) -> tuple[InputPipeline, InputPipeline]:
+    """This worker's train and val pipelines, with the decoder the config names."""
+    config = job.config
+    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
+    batch_size, workers = config.train.batch_size, config.data.workers
+    train = PipelineSpec(job.root, job.tables.train, TrainRecipe(job.image_size),
+                         ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
+                                        world_size=env.world_size, seed=config.train.seed),
+                         workers, form)
+    val = PipelineSpec(job.root, job.tables.val, EvalRecipe(job.image_size),
+                       ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,
+                                      world_size=env.world_size, shuffle=False),
+                       workers, form)
+    return build_pipeline(config.data.decoder, train), build_pipeline(config.data.decoder, val)

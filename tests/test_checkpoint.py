@@ -57,3 +57,13 @@ def test_unwrap_strips_compile_and_ddp_wrappers():
             self.module = module
 
     assert checkpoint.unwrap(Wrapper(torch.compile(model))) is model
+
+
+def test_a_checkpoint_folder_save_returns_the_file_it_wrote(tmp_path):
+    folder = checkpoint.CheckpointFolder(tmp_path, keep=2)
+    paths = [folder.save({"model": {}, "step": step}, step=step) for step in (1, 2, 3)]
+    assert [p.name for p in paths] == ["step-000000001.pt", "step-000000002.pt",
+                                       "step-000000003.pt"]
+    assert not paths[0].exists()  # only the newest two are kept
+    assert (tmp_path / "last.pt").samefile(paths[-1])
+    assert checkpoint.load(paths[-1])["step"] == 3

@@ -1,8 +1,9 @@
+import re
 import tomllib
 
 import pytest
 
-from app.config import build_parser, config_from_dict, dump_toml, make_config, parse_config
+from app.config_sources import build_parser, dump_toml, make_config, parse_config
 from app.errors import UserError
 
 
@@ -70,7 +71,46 @@ def test_missing_config_file_is_a_user_error(tmp_path):
         parse_config(["--config", str(tmp_path / "nope.toml")])
 
 
-def test_resolved_config_round_trips_through_toml():
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    """runs/<run>/config.toml passed back with --config repeats the run."""
     config = make_config({("data", "classes"): ["n01440764"], ("optim", "lr"): 0.3,
                           ("train", "amp"): "off"})
-    assert config_from_dict(tomllib.loads(dump_toml(config))) == config
+    path = tmp_path / "config.toml"
+    path.write_text(dump_toml(config))
+    assert parse_config(["--config", str(path)])[0] == config
+    assert tomllib.loads(path.read_text())["optim"]["lr"] == 0.3
+
+
+def test_every_flag_is_named_after_its_config_key():
+    """--<key> for every parameter (the run's name carries its section: --run-name), so a
+    config file's key and its flag never disagree; short pytorch/examples aliases remain."""
+    import dataclasses
+    from app.config import Config
+    parser = build_parser()
+    options = {action.dest: action.option_strings for action in parser._actions}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            expected = "--run-name" if (section.name, f.name) == ("run", "name") else \
+                "--" + f.name.replace("_", "-")
+            assert expected in options[f"{section.name}.{f.name}"], (section.name, f.name)
+    assert parse_config(["--sync-timeout", "60"])[0].parallel.sync_timeout == 60.0
+    assert parse_config(["--logger", "wandb"])[0].logging.loggers == ["wandb"]  # alias
+
+
+def test_a_renamed_key_says_its_new_name(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[parallel]\ntimeout_s = 60\n")
+    with pytest.raises(UserError, match="unknown key `parallel.timeout_s`; it is now "
+                                        "`parallel.sync_timeout`"):
+        parse_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--keep-checkpoints", "0"], "run.keep_checkpoints must be at least 1, got 0"),
+    (["--max-bad-fraction", "1.5"], "data.max_bad_fraction must be in [0, 1], got 1.5"),
+    (["--momentum", "1"], "optim.momentum must be in [0, 1), got 1.0"),
+    (["--sync-timeout", "0"], "parallel.sync_timeout must be positive"),
+])
+def test_ranges_declared_beside_the_parameters_are_checked(flags, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        parse_config(flags)

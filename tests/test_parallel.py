@@ -14,7 +14,7 @@ import torch
 from app import checkpoint
 from app.cli import run_cli
 from app.interrupts import PREEMPTED_EXIT_CODE
-from app.parallel.launcher import free_port
+from app.parallel.allreduce import free_port
 from app.parallel.watch import is_alive
 from app.run import main
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver

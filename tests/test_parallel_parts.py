@@ -16,7 +16,7 @@ from app.errors import UserError
 from app.models import create_model
 from app.parallel import compare_checksums, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
-from app.parallel.launcher import choose_sync
+from app.parallel.plans import choose_sync
 from app.parallel.ps_server import ServerLinks, syncgrads
 from app.parallel.watch import SyncFailure, Watch, descendants, is_alive
 
@@ -173,6 +173,9 @@ def test_sync_mode_choice():
     assert choose_sync("auto", ["cpu"], torchrun) == "allreduce"
     with pytest.raises(UserError, match="under torchrun use --sync allreduce"):
         choose_sync("ps", ["cpu"], torchrun)
+    with pytest.raises(UserError, match="unknown --sync mode 'gossip'; known: auto, ps, "
+                                        "allreduce"):
+        choose_sync("gossip", ["cpu", "cpu"], None)  # never a silent fall into all-reduce
 
 
 def test_device_lists():

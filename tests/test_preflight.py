@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app import preflight
-from app.config import make_config, parse_config
+from app.config_sources import make_config, parse_config
 from app.errors import UserError
 from app.models import create_model
 from app.optim import build_optimizer

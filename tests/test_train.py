@@ -8,13 +8,16 @@ import timm
 import torch
 
 from app import checkpoint
-from app.config import parse_config
+from app.config_sources import parse_config
 from app.devices import WorkerEnv
 from app.loggers import NullLogger
 from app.parallel import LocalSync
 from app.run import prepare_job, write_run_folder
-from app.train import train_worker
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+from app.data.sampler import ShardedBatches
+from app.storage import DatasetRoot
+from app.tables import train_cls_list
+from app.train import Finished, Trainer, train_worker
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 
@@ -111,7 +114,8 @@ def train_in_process(tmp_path, *flags):
 
 def test_resume_from_last_pt_continues_exactly(tmp_path):
     straight = train_in_process(tmp_path, "--epochs", "3", "--run-name", "straight")
-    train_worker(straight, WorkerEnv(), LocalSync(), NullLogger())
+    outcome = train_worker(straight, WorkerEnv(), LocalSync(), NullLogger())
+    assert isinstance(outcome, Finished) and outcome.metrics["epoch"] == 3
 
     interrupted = train_in_process(tmp_path, "--epochs", "3", "--run-name", "interrupted")
     with pytest.raises(KeyboardInterrupt):
@@ -142,3 +146,54 @@ def test_training_on_the_gpu_uses_bf16_and_learns(tmp_path):
     assert result.returncode == 0, result.stderr
     epochs = [r for r in records(tmp_path / "runs" / "gpu") if "val/top1" in r]
     assert epochs[-1]["val/top1"] >= 0.6
+
+
+class CrashAtFirstLog(NullLogger):
+    """Stands in for a crash before the first checkpoint."""
+
+    def log_metrics(self, step, metrics):
+        raise KeyboardInterrupt
+
+
+def test_skipped_images_are_listed_as_they_are_found(tmp_path, tiny_copy, catalog_for):
+    frame = train_cls_list(DatasetRoot("t", str(tiny_copy)))
+    first_batch = [i for i, _ in next(iter(ShardedBatches(len(frame), 32, seed=0)))]
+    bad = {frame.path[first_batch[0]], frame.path[first_batch[1]]}
+    for path in bad:
+        (tiny_copy / path).write_bytes(b"")
+    config, _ = parse_config(["--catalog", str(catalog_for(tiny_copy)), *TINY_TRAIN_FLAGS,
+                              "-p", "1", "--output-dir", str(tmp_path), "--run-name", "crash"])
+    job = prepare_job(config)
+    write_run_folder(job)
+    with pytest.raises(KeyboardInterrupt):
+        train_worker(job, WorkerEnv(), LocalSync(), CrashAtFirstLog())
+    assert not (tmp_path / "crash" / "checkpoints").exists()  # crashed before any save
+    rows = skipped_rows(tmp_path / "crash")
+    assert {row["path"] for row in rows} == bad and len(rows) == 2
+    assert {(row["epoch"], row["split"], row["reason"]) for row in rows} == {
+        ("1", "train", "empty file")}
+
+
+def test_a_trainers_state_loads_into_a_fresh_trainer(tmp_path):
+    job = train_in_process(tmp_path, "--epochs", "2", "--run-name", "state")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    batches = trainer.train_data.epoch(0)
+    for _ in range(3):
+        trainer.train_step(next(batches))
+        trainer.position.step += 1
+        trainer.position.epoch_step += 1
+    trainer.interval.add(torch.tensor(2.0), 32, 1)
+    state = trainer.state_dict()
+    fresh = Trainer(job, WorkerEnv(), LocalSync())
+    assert not torch.equal(fresh.model.fc.weight, trainer.model.fc.weight)
+    fresh.load_state_dict(state)
+    again = fresh.state_dict()
+    assert (again["epoch"], again["epoch_step"], again["step"]) == (0, 3, 3)
+    assert torch.equal(again["epoch_sums"], state["epoch_sums"])
+    assert again["epoch_sums"][1:].tolist() == [32.0, 1.0]
+    for key, value in state["model"].items():
+        assert torch.equal(again["model"][key], value), key
+    assert again["optimizer"]["state"].keys() == state["optimizer"]["state"].keys()
+    assert again["scheduler"]["last_epoch"] == state["scheduler"]["last_epoch"] == 3
+    trainer.close()
+    fresh.close()

@@ -9,7 +9,7 @@ Only the primary process (rank 0) builds loggers; the others get a NullLogger.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from app.job import TrainJob
@@ -64,21 +64,29 @@ class Loggers(NullLogger):
             backend.finish()
 
 
+def _console(job: TrainJob) -> Logger:
+    from app.loggers.console import ConsoleLogger  # noqa: PLC0415
+    return ConsoleLogger(job.config.train.epochs)
+
+
+def _wandb(job: TrainJob) -> Logger:
+    from app.loggers.wandb_logger import WandbLogger  # noqa: PLC0415 (wandb may be missing)
+    return WandbLogger(job)
+
+
+# The loggers a user chooses with --loggers; adding one is an entry here (and in the config's
+# choices). Imported only when chosen: the GPU machines may have no wandb.
+LOGGERS: dict[str, Callable[[TrainJob], Logger]] = {"console": _console, "wandb": _wandb}
+
+
 def build_loggers(job: TrainJob) -> Loggers:
-    """metrics.jsonl and curves.png are always written (they are part of every run's outputs);
-    console and wandb are chosen with --logger. Backends are imported only when chosen: the
-    GPU machines may have no wandb."""
+    """metrics.jsonl and curves.png are always written (they are part of every run's
+    outputs); the chosen loggers come after them."""
     from app.loggers.curves import CurvesLogger  # noqa: PLC0415
     from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
-    names = job.config.logging.loggers  # checked against the choices when the config is read
     run_dir = Path(job.run_dir)
     # jsonl first: the curves are drawn from the file it has just appended to.
     backends: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl"),
                               CurvesLogger(run_dir / "metrics.jsonl", run_dir / "curves.png")]
-    if "console" in names:
-        from app.loggers.console import ConsoleLogger  # noqa: PLC0415
-        backends.append(ConsoleLogger(job.config.train.epochs))
-    if "wandb" in names:
-        from app.loggers.wandb_logger import WandbLogger  # noqa: PLC0415
-        backends.append(WandbLogger(job))
+    backends += [LOGGERS[name](job) for name in job.config.logging.loggers]
     return Loggers(backends)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.errors import UserError
+from app.errors import UserError, first_line
 from app.loggers import NullLogger
 from app.loggers.redact import redact
 
@@ -39,8 +39,7 @@ class WandbLogger(NullLogger):
                 resume="allow", dir=os.environ.get("WANDB_DIR") or job.run_dir,
                 config=redact(job.config.to_dict()), save_code=False)
         except Exception as error:  # noqa: BLE001 (wandb raises several kinds: say what to do)
-            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-            raise UserError(f"wandb could not start the run ({type(error).__name__}: {first}); "
+            raise UserError(f"wandb could not start the run ({first_line(error, 200, True)}); "
                             "run `wandb login` or set WANDB_API_KEY, or WANDB_MODE=offline"
                             ) from None
 

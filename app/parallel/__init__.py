@@ -1,4 +1,5 @@
-"""How replicas agree: the GradientSync interface the training loop calls once per step.
+"""How replicas agree: the GradientSync interface. The training loop calls it twice per step,
+around backward and before the optimizer step:
 
     with sync.step(weight) as loss_scale:      # weight = images this worker has in the step
         (loss * loss_scale).backward()          # buckets may leave while backward runs

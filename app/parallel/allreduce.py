@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import socket
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -26,6 +27,13 @@ def backend_for(devices: list[str]) -> str:
     if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
         return "nccl"
     return "gloo"
+
+
+def free_port() -> int:
+    """A port for the driver's loopback rendezvous (tcp://127.0.0.1:PORT)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:

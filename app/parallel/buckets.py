@@ -78,12 +78,10 @@ class BucketHooks:
         self.layout = layout
         self.on_ready = on_ready
         self.pending = [len(b) for b in layout.buckets]
-        self.handles = []
         params = list(model.parameters())
-        for bucket, members in enumerate(layout.buckets):
+        for bucket, members in enumerate(layout.buckets):  # for the life of the model
             for index in members:
-                self.handles.append(params[index].register_post_accumulate_grad_hook(
-                    self._hook(bucket)))
+                params[index].register_post_accumulate_grad_hook(self._hook(bucket))
 
     def _hook(self, bucket: int):
         def hook(_param: torch.Tensor) -> None:
@@ -94,7 +92,3 @@ class BucketHooks:
 
     def reset(self) -> None:
         self.pending = [len(b) for b in self.layout.buckets]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()

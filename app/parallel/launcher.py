@@ -1,8 +1,10 @@
-"""Starting and watching the worker processes (and the parameter server).
+"""The process supervisor: starts the worker processes (and the helpers their sync mode needs)
+and watches them.
 
 The driver spawns every process (spawn, not fork: fork breaks CUDA and s3fs) and then only
 watches: if any process dies, all others are stopped within seconds and the driver exits
-non-zero naming the process and how it ended. SIGINT/SIGTERM to the driver stop everything.
+non-zero naming the process and how it ended. SIGINT/SIGTERM to the driver ask the workers to
+save and stop. What runs inside a worker is the caller's `target` (app/worker.py for training).
 """
 
 from __future__ import annotations
@@ -10,115 +12,29 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from typing import Any, Callable
 
-import torch
 import torch.multiprocessing as mp
 
 from app.config import ParallelConfig
-from app.devices import TorchrunEnv, WorkerEnv
-from app.errors import USER_ERROR_EXIT_CODE, UserError
-from app.job import TrainJob
-from app.interrupts import (PREEMPTED_EXIT_CODE, STOP_SIGNALS, AgreedRequests, Interval,
-                            SharedRequests)
-from app.loggers import NullLogger, build_loggers
-from app.parallel import GradientSync, LocalSync
-from app.parallel.watch import POLL_S, SyncFailure, Watch, descendants, die_with_parent, is_alive
+from app.devices import WorkerEnv
+from app.errors import USER_ERROR_EXIT_CODE, UserError, first_line
+from app.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
+from app.parallel.plans import SYNC_MODES
+from app.parallel.watch import POLL_S, SyncFailure, descendants, die_with_parent, is_alive
 
 log = logging.getLogger("imagenet_dp")
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 
 
-def choose_sync(requested: str, devices: list[str], torchrun: TorchrunEnv | None) -> str:
-    if torchrun:
-        if requested == "ps":
-            raise UserError("--sync ps runs on one machine; under torchrun use --sync allreduce")
-        return "allreduce"
-    if len(devices) == 1:
-        return "local"
-    return "ps" if requested == "auto" else requested
-
-
-# --- how a worker reaches its peers ---------------------------------------------------------
-
-@dataclass(frozen=True)
-class LocalPlan:
-    """One worker in the driver's own process."""
-    requests: Any = None
-
-    def connect(self, env: WorkerEnv) -> GradientSync:
-        return LocalSync()
-
-
-@dataclass(frozen=True)
-class PsPlan:
-    links: Any  # ServerLinks
-    bucket_mb: float
-    check_every: int
-    timeout_s: float
-    requests: Any = None  # SharedRequests from the driver
-
-    def connect(self, env: WorkerEnv) -> GradientSync:
-        from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
-        return ParameterServerSync(self.links, env, Watch(timeout_s=self.timeout_s),
-                                   self.bucket_mb, self.check_every)
-
-
-@dataclass(frozen=True)
-class AllReducePlan:
-    init_method: str
-    backend: str
-    bucket_mb: float
-    check_every: int
-    timeout_s: float
-    requests: Any = None  # SharedRequests from the driver; None under torchrun
-
-    def connect(self, env: WorkerEnv) -> GradientSync:
-        from app.parallel.allreduce import AllReduceSync, init_distributed  # noqa: PLC0415
-        init_distributed(env, self.backend, self.init_method, self.timeout_s)
-        return AllReduceSync(env, self.bucket_mb, self.check_every)
-
-
-# --- what runs in each process ----------------------------------------------------------
-
-def train_process(job: TrainJob, env: WorkerEnv, plan: Any, cpu_workers: int = 1) -> int:
-    """One worker: connect to the peers, train, say goodbye. Only the primary logs.
-    Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
-    from app.train import train_worker  # noqa: PLC0415 (torch-heavy; children only)
-    if env.device == "cpu":  # share the cores between the CPU workers instead of fighting
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
-    sync = plan.connect(env)
-    # Without a driver above the workers (one process, torchrun), each process listens for
-    # signals itself and the workers agree every step.
-    own = None if plan.requests else AgreedRequests(sync, env.world_size,
-                                                    job.config.run.checkpoint_interval)
-    loggers = build_loggers(job) if env.is_primary else NullLogger()
-    try:
-        if env.is_primary:
-            loggers.log_config(job.config.to_dict())
-        result = train_worker(job, env, sync, loggers, plan.requests or own)
-    finally:
-        loggers.finish()
-        if own:
-            own.restore()
-    sync.close()
-    return PREEMPTED_EXIT_CODE if "stopped_at_step" in result else 0
-
-
-def server_process(links: Any, device: str, timeout_s: float) -> None:
-    from app.parallel.ps_server import run_server  # noqa: PLC0415
-    if device == "cpu":
-        torch.set_num_threads(1)  # it adds buffers; the cores belong to the workers
-    run_server(links, device, timeout_s)
-
-
-def child_entry(name: str, target: Callable, args: tuple, reports: Any) -> None:
+def child_entry(name: str, target: Callable, args: tuple, reports: Queue) -> None:
     """Wraps every child: dies with the driver, leaves Ctrl-C to the driver, and reports why
     it failed before exiting non-zero."""
     die_with_parent()
@@ -134,7 +50,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Any) -> None:
         sys.exit(1)
     except BaseException as error:  # noqa: BLE001 (reported to the driver, then re-raised)
         traceback.print_exc()
-        reports.put((name, f"{type(error).__name__}: {error}".splitlines()[0][:300], "crash"))
+        reports.put((name, first_line(error, 300, with_type=True), "crash"))
         sys.exit(1)
     sys.exit(code or 0)
 
@@ -144,12 +60,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Any) -> None:
 @dataclass
 class Child:
     name: str
-    process: Any  # multiprocessing.Process
-
-
-def run_job(job: TrainJob, devices: list[str], mode: str) -> int:
-    return launch(train_process, job, devices, mode, job.config.parallel,
-                  Stopping(job.config.run.checkpoint_interval, job.config.run.stop_timeout))
+    process: BaseProcess
 
 
 @dataclass(frozen=True)
@@ -162,58 +73,35 @@ class Stopping:
 
 def launch(target: Callable, job: Any, devices: list[str], mode: str,
            config: ParallelConfig, stopping: Stopping = Stopping()) -> int:
-    """Run `target(job, env, plan, cpu_workers)` once per device: in this process for a single
-    device, else in spawned processes (plus the parameter server for ps). Returns the exit
-    code: 0, PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's."""
-    if mode == "local":
-        return target(job, WorkerEnv(rank=0, world_size=1, device=devices[0]), LocalPlan(),
-                      1) or 0
+    """Run `target(job, env, plan, cpu_workers)` once per device (`mode` from
+    app/parallel/plans.py SYNC_MODES): in this process for an in-process mode, else in spawned
+    processes, plus the helpers the mode needs (the parameter server). Returns the exit code:
+    0, PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's."""
+    sync_mode = SYNC_MODES[mode]
+    if sync_mode.in_process:
+        plan = sync_mode.setup(None, devices, config, None).plan
+        return target(job, WorkerEnv(rank=0, world_size=1, device=devices[0]), plan, 1) or 0
     # After a failure the queues of killed processes are cleaned up by multiprocessing's
     # resource tracker, which then warns about "leaked semaphores": expected, not a leak here.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     context = mp.get_context("spawn")
     reports = context.Queue()
     requests = SharedRequests(context, len(devices))
-    children: list[Child] = []
-    if mode == "ps":
-        from app.parallel.ps_server import ServerLinks  # noqa: PLC0415
-        links = ServerLinks(context.Queue(), [context.Queue() for _ in devices])
-        plan: Any = PsPlan(links, config.bucket_mb, config.check_every, config.timeout_s,
-                           requests)
-        name = f"parameter server ({devices[0]})"
-        children.append(Child(name, context.Process(
-            target=child_entry,
-            args=(name, server_process, (links, devices[0], config.timeout_s), reports))))
-    else:
-        from app.parallel.allreduce import backend_for  # noqa: PLC0415
-        plan = AllReducePlan(f"tcp://127.0.0.1:{free_port()}", backend_for(devices),
-                             config.bucket_mb, config.check_every, config.timeout_s, requests)
+    setup = sync_mode.setup(context, devices, config, requests)
+    children = [Child(h.name, context.Process(target=child_entry,
+                                              args=(h.name, h.target, h.args, reports)))
+                for h in setup.helpers]
     cpu_workers = devices.count("cpu")
     for rank, device in enumerate(devices):
         env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
         name = f"worker {rank} ({device})"
         children.append(Child(name, context.Process(
-            target=child_entry, args=(name, target, (job, env, plan, cpu_workers), reports))))
+            target=child_entry,
+            args=(name, target, (job, env, setup.plan, cpu_workers), reports))))
     for child in children:
         child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
     return supervise(children, reports, requests, stopping)
-
-
-def run_torchrun(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
-    """Under torchrun this process is one worker; torchrun watches the processes."""
-    env = WorkerEnv(rank=torchrun.rank, world_size=torchrun.world_size, device=device)
-    config = job.config.parallel
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    plan = AllReducePlan("env://", backend, config.bucket_mb, config.check_every,
-                         config.timeout_s)
-    return train_process(job, env, plan)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class StopSignals:
@@ -253,7 +141,7 @@ class StopSignals:
         os.close(self._notify)
 
 
-def supervise(children: list[Child], reports: Any, requests: SharedRequests,
+def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
               stopping: Stopping) -> int:
     """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
     the workers to save and stop at the next step, and wait for that up to stop_timeout; a
@@ -295,7 +183,7 @@ def supervise(children: list[Child], reports: Any, requests: SharedRequests,
         signals.restore()
 
 
-def drain(reports: Any) -> dict[str, tuple[str, str]]:
+def drain(reports: Queue) -> dict[str, tuple[str, str]]:
     found = {}
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:

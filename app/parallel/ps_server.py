@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 from typing import Any
 
 import numpy as np
@@ -25,11 +26,18 @@ from app.parallel.watch import SyncFailure, Watch
 @dataclass(frozen=True)
 class ServerLinks:
     """The queues between server and workers; made by the launcher, inherited by both."""
-    inbox: Any  # workers -> server: ("register" | "grads" | "reduce" | "checksum" | "done", ...)
-    outboxes: list  # server -> worker r: ("hello" | "avg" | "reduced", ...)
+    inbox: Queue  # workers -> server: ("register" | "grads" | "reduce" | "checksum" | "done", ...)
+    outboxes: list[Queue]  # server -> worker r: ("hello" | "avg" | "reduced", ...)
 
     def send_to(self, rank: int, message: tuple) -> None:
         self.outboxes[rank].put(message)
+
+
+def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
+    """Process entry of the parameter server (a child of the driver)."""
+    if device == "cpu":
+        torch.set_num_threads(1)  # it adds buffers; the cores belong to the workers
+    run_server(links, device, timeout_s)
 
 
 def run_server(links: ServerLinks, device: str, timeout_s: float) -> None:

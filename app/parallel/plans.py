@@ -1,0 +1,129 @@
+"""How a worker reaches its peers: one entry per sync mode, name -> plan.
+
+A plan is made by the driver before it spawns anything, travels to every worker (it is
+picklable) and there connects to the peers: `plan.connect(env)` returns the GradientSync the
+training loop uses. A mode may also need processes of its own beside the workers (the
+parameter server). Adding a mode is one entry in SYNC_MODES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from app.config import ParallelConfig
+from app.devices import TorchrunEnv, WorkerEnv
+from app.errors import UserError
+from app.interrupts import SharedRequests
+from app.parallel import GradientSync, LocalSync
+from app.parallel.ps_server import ServerLinks, serve
+from app.parallel.watch import Watch
+
+
+class SyncPlan(Protocol):
+    requests: SharedRequests | None  # the driver's save/stop requests (None: no driver)
+
+    def connect(self, env: WorkerEnv) -> GradientSync: ...
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """One worker in the driver's own process."""
+    requests: SharedRequests | None = None
+
+    def connect(self, env: WorkerEnv) -> GradientSync:
+        return LocalSync()
+
+
+@dataclass(frozen=True)
+class PsPlan:
+    links: ServerLinks
+    config: ParallelConfig  # bucket size, checksum interval, timeout
+    requests: SharedRequests | None = None
+
+    def connect(self, env: WorkerEnv) -> GradientSync:
+        from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
+        return ParameterServerSync(self.links, env, Watch(timeout_s=self.config.sync_timeout),
+                                   self.config.bucket_mb, self.config.check_every)
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    init_method: str  # tcp://127.0.0.1:PORT from the driver, env:// under torchrun
+    backend: str
+    config: ParallelConfig
+    requests: SharedRequests | None = None
+
+    def connect(self, env: WorkerEnv) -> GradientSync:
+        from app.parallel.allreduce import AllReduceSync, init_distributed  # noqa: PLC0415
+        init_distributed(env, self.backend, self.init_method, self.config.sync_timeout)
+        return AllReduceSync(env, self.config.bucket_mb, self.config.check_every)
+
+
+@dataclass(frozen=True)
+class Helper:
+    """A process a mode runs beside the workers: `target(*args)` in a child of the driver."""
+    name: str
+    target: Callable[..., Any]
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Setup:
+    plan: SyncPlan
+    helpers: list[Helper] = field(default_factory=list)
+
+
+def local_setup(context: Any, devices: list[str], config: ParallelConfig,
+                requests: SharedRequests | None) -> Setup:
+    return Setup(LocalPlan(requests))
+
+
+def ps_setup(context: Any, devices: list[str], config: ParallelConfig,
+             requests: SharedRequests | None) -> Setup:
+    links = ServerLinks(context.Queue(), [context.Queue() for _ in devices])
+    server = Helper(f"parameter server ({devices[0]})", serve,
+                    (links, devices[0], config.sync_timeout))
+    return Setup(PsPlan(links, config, requests), [server])
+
+
+def allreduce_setup(context: Any, devices: list[str], config: ParallelConfig,
+                    requests: SharedRequests | None) -> Setup:
+    from app.parallel.allreduce import backend_for, free_port  # noqa: PLC0415
+    return Setup(AllReducePlan(f"tcp://127.0.0.1:{free_port()}", backend_for(devices), config,
+                               requests))
+
+
+@dataclass(frozen=True)
+class SyncMode:
+    setup: Callable[[Any, list[str], ParallelConfig, SharedRequests | None], Setup]
+    in_process: bool = False  # the single worker runs in the driver's own process
+
+
+SYNC_MODES: dict[str, SyncMode] = {
+    "local": SyncMode(local_setup, in_process=True),
+    "ps": SyncMode(ps_setup),
+    "allreduce": SyncMode(allreduce_setup),
+}
+
+
+def choose_sync(requested: str, devices: list[str], torchrun: TorchrunEnv | None) -> str:
+    """The mode to run: `auto` is the parameter server on one machine, all-reduce under
+    torchrun, and no sync at all for a single worker."""
+    if requested != "auto" and requested not in SYNC_MODES:
+        raise UserError(f"unknown --sync mode '{requested}'; known: auto, "
+                        f"{', '.join(m for m in SYNC_MODES if m != 'local')}")
+    if torchrun:
+        if requested not in ("auto", "allreduce"):
+            raise UserError(f"--sync {requested} runs on one machine; under torchrun use "
+                            "--sync allreduce")
+        return "allreduce"
+    if len(devices) == 1:
+        return "local"
+    return "ps" if requested == "auto" else requested
+
+
+def torchrun_plan(device: str, config: ParallelConfig) -> AllReducePlan:
+    """Under torchrun the process group comes from torchrun's environment (env://)."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    return AllReducePlan("env://", backend, config)

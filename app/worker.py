@@ -1,0 +1,44 @@
+"""One training worker, assembled in its own process: connect to the peers, build the loggers
+(the primary only), train, say goodbye. The launcher (app/parallel/launcher.py) starts it;
+torchrun starts it directly."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from app.devices import TorchrunEnv, WorkerEnv
+from app.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
+from app.job import TrainJob
+from app.loggers import NullLogger, build_loggers
+from app.parallel.plans import SyncPlan, torchrun_plan
+from app.train import Stopped, train_worker
+
+
+def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
+    """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
+    if env.device == "cpu":  # share the cores between the CPU workers instead of fighting
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+    sync = plan.connect(env)
+    # Without a driver above the workers (one process, torchrun), each process listens for
+    # signals itself and the workers agree every step.
+    own = None if plan.requests else AgreedRequests(sync, env.world_size,
+                                                    job.config.run.checkpoint_interval)
+    loggers = build_loggers(job) if env.is_primary else NullLogger()
+    try:
+        if env.is_primary:
+            loggers.log_config(job.config.to_dict())
+        outcome = train_worker(job, env, sync, loggers, plan.requests or own)
+    finally:
+        loggers.finish()
+        if own:
+            own.restore()
+    sync.close()
+    return PREEMPTED_EXIT_CODE if isinstance(outcome, Stopped) else 0
+
+
+def torchrun_process(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
+    """Under torchrun this process is one worker; torchrun watches the processes."""
+    env = WorkerEnv(rank=torchrun.rank, world_size=torchrun.world_size, device=device)
+    return train_process(job, env, torchrun_plan(device, job.config.parallel))
