@@ -46,23 +46,40 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def rng_states() -> dict[str, Any]:
+def rng_states(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """This process's generators: Python, numpy, torch's CPU one and, on a GPU worker, the
+    generator of its own device only (a state per GPU of the machine would not fit a machine
+    with fewer GPUs, and the other GPUs' generators belong to other workers)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     states = {"python": random.getstate(),
               "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
               "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def set_rng_states(states: dict[str, Any]) -> None:
+def set_rng_states(states: dict[str, Any], device: torch.device | str = "cpu") -> None:
     random.setstate(_as_tuples(states["python"]))
     kind, keys, pos, has_gauss, gauss = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = cuda_rng_state(states, device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def cuda_rng_state(states: dict[str, Any], device: torch.device | str) -> torch.Tensor | None:
+    """The saved generator state for `device`, if it is a GPU and one was saved. Checkpoints of
+    earlier versions hold a list with one state per GPU: this device's, or the first."""
+    device = torch.device(device)
+    saved = states.get("cuda")
+    if device.type != "cuda" or saved is None:
+        return None
+    if isinstance(saved, (list, tuple)):
+        index = device.index or 0
+        return saved[index] if index < len(saved) else saved[0]
+    return saved
 
 
 def _as_tuples(value: Any) -> Any:

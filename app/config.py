@@ -107,6 +107,15 @@ class TrainConfig:
     channels_last: bool = param(True, "channels_last memory format on CUDA")
     dtype: str = param("float32", "parameter dtype; float64 is for numerical checks",
                        choices=("float32", "float64"))
+    compile: str = param("auto", "torch.compile the model: auto = on CUDA only (the first "
+                         "step's compile time is logged), on, off",
+                         choices=("auto", "on", "off"))
+    compile_backend: str = param("inductor", "torch.compile backend (aot_eager: no code "
+                                 "generation, for quick checks)")
+    cudnn_benchmark: bool = param(True, "let cuDNN time its algorithms once per input size "
+                                  "(CUDA)")
+    tf32: bool = param(True, "TF32 tensor cores for float32 matmuls and convolutions (CUDA); "
+                       "--no-tf32 for full float32 precision")
 
 
 @dataclass(kw_only=True)

@@ -3,6 +3,7 @@ actually looked up, so configuration mistakes are reported before its import cos
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from app.errors import UserError
@@ -20,6 +21,17 @@ class WorkerEnv:
         """The one worker that logs and saves."""
         return self.rank == 0
 
+
+
+def use_device(device: str, cpu_workers: int = 1) -> None:
+    """First thing in a worker process: on a GPU make it the current device, so that nothing
+    (the pinned-memory thread, a stray allocation) opens a context on GPU 0; on CPU share the
+    cores between the CPU workers instead of fighting over them."""
+    import torch  # noqa: PLC0415
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
 
 
 def resolve_device(name: str) -> str:

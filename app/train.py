@@ -10,6 +10,7 @@ on the device and are fetched every print interval, not every step.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from app.optim import build_optimizer, build_scheduler, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
 from app.skipped import SkippedLog, check_bad_fraction
+from app.speed import CompiledForFullBatches, compile_enabled, configure_backends
+
+log = logging.getLogger("imagenet_dp")
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Trainer:
         self.requests = requests or NoRequests()
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
+        configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
         torch.manual_seed(config.train.seed)  # identical initial weights on every replica
         model = self.precision.prepare_model(
             create_model(config.model.arch, job.tables.num_classes, config.model.norm))
@@ -128,6 +133,10 @@ class Trainer:
         if env.is_primary and not config.run.evaluate:
             preflight.check_room_for_checkpoints(job, model)
         self.model = sync.prepare(model)
+        self.compiling = compile_enabled(config.train.compile, self.precision.device)
+        if self.compiling:  # after prepare: torch.compile wraps DDP, not the other way round
+            self.model = CompiledForFullBatches(self.model, config.train.batch_size,
+                                                config.train.compile_backend)
 
     # --- state: what a checkpoint holds (app/run_state.py writes and reads it) -------------
 
@@ -143,7 +152,7 @@ class Trainer:
             "epoch_sums": self.epoch_sums.as_tensor(),  # this worker's share
             "replica": {"buffers": {name: b.detach().cpu().clone()
                                     for name, b in bare.named_buffers() if b.is_floating_point()},
-                        "rng": checkpoint.rng_states()},
+                        "rng": checkpoint.rng_states(self.precision.device)},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -162,7 +171,7 @@ class Trainer:
             with torch.no_grad():
                 for name, values in replica["buffers"].items():
                     buffers[name].copy_(values)
-            checkpoint.set_rng_states(replica["rng"])
+            checkpoint.set_rng_states(replica["rng"], self.precision.device)
 
     def save(self, top1: float | None = None) -> Path | None:
         """Collective: every worker calls it at the same step. Returns the checkpoint's path
@@ -192,9 +201,12 @@ class Trainer:
         started = tick = time.perf_counter()
         for batch in self.train_data.epoch(epoch, start_step=self.position.epoch_step):
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            step_started = time.perf_counter()
             loss = self.train_step(batch)
             self.position.step += 1
             self.position.epoch_step += 1
+            if self.compiling and len(batch) == self.job.config.train.batch_size:
+                self.report_compile_time(step_started)
             self.interval.add(loss, len(batch), len(batch.skipped))
             self.skipped.add(epoch + 1, "train", batch.skipped)
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
@@ -228,6 +240,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss.detach() if loss is not None else None
+
+    def report_compile_time(self, step_started: float) -> None:
+        """The first compiled step includes the compilation (about a minute for a ResNet-50):
+        worth a record of its own. Waits for the device once, at this step only."""
+        self.compiling = False
+        if self.precision.device.type == "cuda":
+            torch.cuda.synchronize(self.precision.device)
+        seconds = time.perf_counter() - step_started
+        log.info("first compiled step (compilation included): %.1f s", seconds)
+        self.logger.log_metrics(self.position.step, {"compile/first_step_s": seconds})
 
     def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""

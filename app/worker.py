@@ -4,11 +4,7 @@ torchrun starts it directly."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-from app.devices import TorchrunEnv, WorkerEnv
+from app.devices import TorchrunEnv, WorkerEnv, use_device
 from app.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
 from app.job import TrainJob
 from app.loggers import NullLogger, build_loggers
@@ -18,8 +14,7 @@ from app.train import Stopped, train_worker
 
 def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
     """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
-    if env.device == "cpu":  # share the cores between the CPU workers instead of fighting
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+    use_device(env.device, cpu_workers)
     sync = plan.connect(env)
     # Without a driver above the workers (one process, torchrun), each process listens for
     # signals itself and the workers agree every step.

@@ -20,12 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif "gpu2" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
 
 
 @pytest.fixture(scope="session", autouse=True)

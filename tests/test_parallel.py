@@ -236,28 +236,3 @@ def test_torchrun_needs_a_run_name(tmp_path):
     result = run_driver(*CATALOG, cwd=tmp_path, timeout=60,
                         env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert result.returncode == 2 and "under torchrun pass --run-name" in result.stderr
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["ps", "allreduce"])
-def test_two_workers_sharing_one_gpu_match_one_worker(tmp_path, sync):
-    """CUDA IPC buckets (ps) and gloo-on-CUDA (allreduce, NCCL refuses a shared GPU)."""
-    flags = [*CATALOG, *EXACT, "--device", "cuda:0"]
-    one = run_driver(*flags, "-b", "10", "--run-name", "one", cwd=tmp_path)
-    two = run_driver(*flags, "-b", "5", "--devices", "cuda:0,cuda:0", "--sync", sync,
-                     "--run-name", "two", cwd=tmp_path)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    difference = relative_difference(weights(tmp_path / "runs" / "one")["model"],
-                                     weights(tmp_path / "runs" / "two")["model"])
-    assert difference < 1e-9
-
-
-@pytest.mark.gpu
-def test_ps_on_the_gpu_trains_the_tiny_sample(tmp_path):
-    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "--epochs", "4",
-                        "--devices", "cuda:0,cuda:0", "--sync", "ps", "--run-name", "gpu",
-                        cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in
-            (tmp_path / "runs" / "gpu" / "metrics.jsonl").read_text().splitlines()]
-    assert [r for r in rows if "val/top1" in r][-1]["val/top1"] >= 0.6

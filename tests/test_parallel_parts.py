@@ -17,7 +17,7 @@ from app.models import create_model
 from app.parallel import compare_checksums, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.plans import choose_sync
-from app.parallel.ps_server import ServerLinks, syncgrads
+from app.parallel.ps_server import Reducer, Registration, ServerLinks, syncgrads
 from app.parallel.watch import SyncFailure, Watch, descendants, is_alive
 
 
@@ -64,20 +64,26 @@ def links_for(workers: int) -> ServerLinks:
     return ServerLinks(queue.Queue(), [queue.Queue() for _ in range(workers)])
 
 
+def reducer_for(grads: list[list[torch.Tensor]]) -> Reducer:
+    """A server's view of workers whose gradient buckets are `grads` (CPU, one process)."""
+    return Reducer([Registration(os.getpid(), g, [torch.zeros_like(b) for b in g], None, [],
+                                 None) for g in grads])
+
+
 def test_syncgrads_averages_weighted_by_images_and_answers_everyone():
     links = links_for(3)
     grads = [torch.tensor([1.0, 2.0]), torch.tensor([4.0, 4.0]), torch.tensor([0.0, 0.0])]
     weights = [2, 6, 0]  # worker 2 had no images in this step
-    buckets = [[g * w] for g, w in zip(grads, weights)]  # workers send grads x images
-    averages = [torch.zeros(2)]
+    reducer = reducer_for([[g * w] for g, w in zip(grads, weights)])  # grads x images
     for rank, weight in enumerate(weights):
         links.inbox.put(("grads", rank, 0, 0, weight))
     for rank in range(3):
         links.inbox.put(("reduce", rank, 0, "sum", np.array([rank, 1.0])))
         links.inbox.put(("done", rank))
-    syncgrads(links, Watch(timeout_s=5), buckets, averages, ["w"])
+    syncgrads(links, Watch(timeout_s=5), reducer, ["w"])
     expected = (2 * grads[0] + 6 * grads[1]) / 8
-    assert torch.allclose(averages[0], expected)
+    for inbox in reducer.inboxes:  # every worker receives the average in its own buffer
+        assert torch.allclose(inbox[0], expected)
     for outbox in links.outboxes:
         assert outbox.get_nowait() == ("avg", 0, 0, 8)
         kind, key, total = outbox.get_nowait()
@@ -95,7 +101,7 @@ def test_syncgrads_stops_the_run_when_replicas_diverge():
     with pytest.raises(SyncFailure, match=r"replicas diverged at step 200: worker 1 differs "
                                           r"from worker 0 in 1 of 2 parameter tensors "
                                           r"\(first: bias\)"):
-        syncgrads(links, Watch(timeout_s=5), [[torch.zeros(1)], [torch.zeros(1)]], [torch.zeros(1)],
+        syncgrads(links, Watch(timeout_s=5), reducer_for([[torch.zeros(1)], [torch.zeros(1)]]),
                   ["weight", "bias"])
 
 
@@ -122,7 +128,7 @@ def test_a_worker_that_finished_may_exit_before_the_others():
     # Worker 0 (this process) takes longer: it writes the final checkpoint.
     threading.Timer(1.5, links.inbox.put, [("done", 0)]).start()
     watch = Watch(peers={"worker 0": os.getpid(), "worker 1": finished.pid}, timeout_s=60)
-    syncgrads(links, watch, [[torch.zeros(1)], [torch.zeros(1)]], [torch.zeros(1)], ["w"])
+    syncgrads(links, watch, reducer_for([[torch.zeros(1)], [torch.zeros(1)]]), ["w"])
 
 
 class ArrivesAfterTheTimeout(queue.Queue):

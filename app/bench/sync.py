@@ -3,12 +3,15 @@
 
 Synthetic inputs, so only compute and gradient traffic count. The image size barely matters
 for the sync: the gradients are as large as the model (ResNet-50: 25.6M parameters, 102 MB).
+Each mode runs in a process of its own, so one mode's GPU memory (the caching allocator keeps
+what it had) is gone before the next starts.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 from app.config import ParallelConfig
-from app.devices import WorkerEnv
+from app.devices import WorkerEnv, use_device
 from app.models import create_model
 from app.parallel.launcher import launch
 from app.precision import Precision
@@ -34,8 +37,7 @@ class SyncBenchJob:
 
 
 def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> None:
-    if env.device == "cpu":
-        torch.set_num_threads(max(1, (torch.multiprocessing.cpu_count()) // cpu_workers))
+    use_device(env.device, cpu_workers)
     sync = plan.connect(env)
     precision = Precision.from_config("auto", True, env.device)
     torch.manual_seed(0)
@@ -63,6 +65,11 @@ def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> 
     sync.close()
 
 
+def run_mode(job: SyncBenchJob, devices: list[str], mode: str, parallel: ParallelConfig) -> None:
+    """One mode, in a process of its own (the single worker of `local` runs in it)."""
+    sys.exit(launch(bench_process, job, devices, mode, parallel))
+
+
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: int,
         warmup: int, bucket_mb: float) -> dict:
     """Measure the three modes one after the other; returns a JSON-ready report."""
@@ -71,12 +78,16 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
              (f"{len(devices)} workers, allreduce", "allreduce", devices)]
     parallel = ParallelConfig(bucket_mb=bucket_mb, check_every=10**9)
     results = []
+    context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         for label, mode, mode_devices in modes:
             job = SyncBenchJob(arch, batch_size, image_size, steps, warmup,
                                str(Path(folder) / f"{mode}.json"))
-            if launch(bench_process, job, mode_devices, mode, parallel) != 0:
-                raise RuntimeError(f"benchmark run '{label}' failed")
+            process = context.Process(target=run_mode, args=(job, mode_devices, mode, parallel))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"benchmark run '{label}' failed (exit {process.exitcode})")
             times = json.loads(Path(job.result_file).read_text())
             step = statistics.median(times)
             results.append({"label": label, "mode": mode, "workers": len(mode_devices),

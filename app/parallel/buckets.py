@@ -4,6 +4,10 @@ Parameters are grouped in reverse registration order (close to the order backwar
 them) into buckets of about `bucket_mb`; a hook on each parameter notices when the last
 gradient of a bucket has been accumulated, so that bucket can be handed over while backward
 goes on with the rest.
+
+Each tensor is flattened in the memory order of its parameter, not in logical (NCHW) order:
+a channels_last weight's gradient is then packed and unpacked through views, with no reshape
+copy, and every worker agrees on the order because every replica has the same layout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class BucketLayout:
     buckets: tuple[tuple[int, ...], ...]
     numels: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    orders: tuple[tuple[int, ...], ...] = ()  # per parameter: its dims from outer to inner
 
     @classmethod
     def for_params(cls, params: list[torch.Tensor], bucket_mb: float) -> "BucketLayout":
@@ -38,7 +43,7 @@ class BucketLayout:
         if current:
             buckets.append(tuple(current))
         numels = tuple(tuple(params[i].numel() for i in bucket) for bucket in buckets)
-        return cls(tuple(buckets), numels, dtypes.pop())
+        return cls(tuple(buckets), numels, dtypes.pop(), tuple(map(memory_order, params)))
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -60,15 +65,23 @@ class BucketLayout:
             if grad is None:
                 view.zero_()
             else:
-                torch.mul(grad.reshape(-1), scale, out=view)
+                permuted = grad.permute(self.orders[index])  # a view; contiguous as a rule
+                torch.mul(permuted, scale, out=view.view(permuted.shape))
 
     def unpack(self, bucket: int, params: list[torch.Tensor], source: torch.Tensor) -> None:
         """Copy a flat averaged bucket into the parameters' .grad."""
         for view, index in zip(source.split(self.numels[bucket]), self.buckets[bucket]):
             param = params[index]
             if param.grad is None:
-                param.grad = torch.empty_like(param)
-            param.grad.copy_(view.view_as(param))
+                param.grad = torch.empty_like(param)  # keeps the parameter's memory format
+            permuted = param.grad.permute(self.orders[index])
+            permuted.copy_(view.view(permuted.shape))
+
+
+def memory_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's dims from the largest stride to the smallest: permuted into this order, a
+    dense tensor of any memory format (contiguous, channels_last) is contiguous."""
+    return tuple(sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d)))
 
 
 class BucketHooks:

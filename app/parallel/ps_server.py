@@ -2,10 +2,14 @@
 
 It imports neither timm nor the model: buckets, names and weights come from the workers.
 
-Workers write their gradient buckets into buffers the server mapped once (shared memory on
-CPU, CUDA IPC on GPU); the queues carry only small messages. For each bucket of each step the
-server waits until every registered worker has handed it over, writes the weighted average into
-its own shared bucket and tells every worker "bucket b of step k is ready".
+Each worker owns, per bucket, a `grads` buffer it packs its gradients into and an `inbox` the
+server writes the average into (shared memory on CPU, CUDA IPC on GPU: mapped once, at
+registration); the queues carry only small messages. For each bucket of each step the server
+waits until every worker has handed it over, sums the weighted gradients on that bucket's
+reduction device, divides by the images of the step and copies the average into every
+worker's inbox. On GPUs the buckets' reduction devices take turns over the workers' GPUs, so
+no single GPU carries all the traffic, and the order between processes is kept with CUDA
+events instead of device synchronizes (app/parallel/handover.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from app.parallel import compare_checksums
+from app.parallel.handover import ServerSignals, server_signals
 from app.parallel.watch import SyncFailure, Watch
 
 
@@ -33,34 +38,34 @@ class ServerLinks:
         self.outboxes[rank].put(message)
 
 
+@dataclass
+class Registration:
+    pid: int
+    grads: list[torch.Tensor]  # this worker's gradient buckets, mapped into the server
+    inbox: list[torch.Tensor]  # where the server writes this worker's averages
+    events: Any  # what handover.server_signals needs from this worker (None on CPU)
+    names: list[str]  # parameter names, for messages about diverged replicas
+    state: dict[str, torch.Tensor] | None  # worker 0's initial weights, shared memory
+
+
 def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
     """Process entry of the parameter server (a child of the driver)."""
     if device == "cpu":
         torch.set_num_threads(1)  # it adds buffers; the cores belong to the workers
-    run_server(links, device, timeout_s)
+    else:
+        torch.cuda.set_device(device)  # no stray context on GPU 0
+    run_server(links, timeout_s)
 
 
-def run_server(links: ServerLinks, device: str, timeout_s: float) -> None:
-    """Process entry: collect every worker's registration, broadcast worker 0's weights (it has
-    restored any checkpoint already) together with the shared average buckets, then average
-    until every worker is done."""
+def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | None = None
+               ) -> None:
+    """Collect every worker's registration, broadcast worker 0's weights (it has restored any
+    checkpoint already), then average until every worker is done."""
     watch = Watch(timeout_s=timeout_s)
-    registrations = register_workers(links, watch)
-    first = registrations[0]
-    averages = [torch.zeros_like(b, device=device) for b in first.buckets]
-    if torch.device(device).type == "cpu":
-        averages = [a.share_memory_() for a in averages]
-    for rank in range(len(links.outboxes)):
-        links.send_to(rank, ("hello", os.getpid(), averages, first.state))
-    syncgrads(links, watch, [r.buckets for r in registrations], averages, first.names)
-
-
-@dataclass
-class Registration:
-    pid: int
-    buckets: list[torch.Tensor]  # this worker's gradient buckets, mapped into the server
-    names: list[str]  # parameter names, for messages about diverged replicas
-    state: dict[str, torch.Tensor] | None  # worker 0's initial weights, shared memory
+    workers = register_workers(links, watch)
+    for rank in range(len(workers)):
+        links.send_to(rank, ("hello", os.getpid(), workers[0].state))
+    syncgrads(links, watch, Reducer(workers, signals), workers[0].names)
 
 
 def register_workers(links: ServerLinks, watch: Watch) -> list[Registration]:
@@ -70,17 +75,61 @@ def register_workers(links: ServerLinks, watch: Watch) -> list[Registration]:
         if message[0] != "register":
             raise SyncFailure(f"expected a registration, got {message[0]!r} from worker "
                               f"{message[1]}")
-        _, rank, pid, buckets, names, state = message
-        found[rank] = Registration(pid, buckets, names, state)
+        _, rank, pid, grads, inbox, events, names, state = message
+        found[rank] = Registration(pid, grads, inbox, events, names, state)
         watch.peers[f"worker {rank}"] = pid
     return [found[rank] for rank in range(len(links.outboxes))]
 
 
-def syncgrads(links: ServerLinks, watch: Watch, worker_buckets: list[list[torch.Tensor]],
-              averages: list[torch.Tensor], names: list[str]) -> None:
-    """The loop: average each bucket of each step once all workers present have handed it
-    over; answer reductions; compare replica checksums; return when every worker is done."""
-    workers = len(worker_buckets)
+def reduction_devices(buckets: int, worker_devices: list[torch.device]) -> list[torch.device]:
+    """Bucket b is summed on the workers' distinct devices in turn."""
+    distinct = list(dict.fromkeys(worker_devices))
+    return [distinct[bucket % len(distinct)] for bucket in range(buckets)]
+
+
+class Reducer:
+    """Weighted averages of every worker's bucket, written into every worker's inbox."""
+
+    def __init__(self, workers: list[Registration], signals: ServerSignals | None = None):
+        self.grads = [w.grads for w in workers]
+        self.inboxes = [w.inbox for w in workers]
+        devices = [w.grads[0].device for w in workers]
+        self.signals = signals or server_signals(devices, [w.events for w in workers])
+        places = reduction_devices(len(workers[0].grads), devices)
+        # Per bucket: the sum, and room for a bucket copied from another device before adding.
+        self.sums = [torch.empty_like(g, device=place) for g, place in zip(self.grads[0], places)]
+        self.staging = [torch.empty_like(s) if any(d != s.device for d in devices) else None
+                        for s in self.sums]
+
+    def __len__(self) -> int:
+        return len(self.grads)
+
+    def reduce(self, bucket: int, total: int) -> None:
+        """inbox_w[b] = sum_w grads_w[b] / total, for every worker w. Gradients arrive already
+        multiplied by each worker's image count."""
+        for worker in range(len(self)):
+            self.signals.wait_for_gradients(worker, bucket)
+        out = self.sums[bucket]
+        out.copy_(self.grads[0][bucket])
+        for grads in self.grads[1:]:
+            if grads[bucket].device == out.device:
+                out.add_(grads[bucket])
+            else:  # peer-to-peer onto the reduction device first (NVLink/PCIe)
+                self.staging[bucket].copy_(grads[bucket])
+                out.add_(self.staging[bucket])
+        if total:
+            out.div_(total)
+        else:
+            out.zero_()
+        for worker, inbox in enumerate(self.inboxes):
+            inbox[bucket].copy_(out)
+            self.signals.wrote_average(worker, bucket)
+
+
+def syncgrads(links: ServerLinks, watch: Watch, reducer: Reducer, names: list[str]) -> None:
+    """The loop: average each bucket of each step once all workers have handed it over;
+    answer reductions; compare replica checksums; return when every worker is done."""
+    workers = len(reducer)
     arrived: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
     reductions: dict[int, dict[int, Any]] = defaultdict(dict)
     checksums: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
@@ -93,7 +142,7 @@ def syncgrads(links: ServerLinks, watch: Watch, worker_buckets: list[list[torch.
             arrived[(step, bucket)][rank] = weight
             if len(arrived[(step, bucket)]) == workers:
                 total = sum(arrived.pop((step, bucket)).values())
-                average_bucket(averages[bucket], [b[bucket] for b in worker_buckets], total)
+                reducer.reduce(bucket, total)
                 for other in range(workers):
                     links.send_to(other, ("avg", step, bucket, total))
         elif kind == "reduce":
@@ -115,19 +164,6 @@ def syncgrads(links: ServerLinks, watch: Watch, worker_buckets: list[list[torch.
             watch.peers.pop(f"worker {rank}", None)  # it may exit now: not a failure
         else:
             raise SyncFailure(f"unexpected message {kind!r} from worker {rank}")
-
-
-def average_bucket(out: torch.Tensor, inputs: list[torch.Tensor], total: int) -> None:
-    """out = sum(inputs) / total. Inputs are already scaled by each worker's image count."""
-    out.copy_(inputs[0])
-    for other in inputs[1:]:
-        out.add_(other)
-    if total:
-        out.div_(total)
-    else:
-        out.zero_()
-    if out.is_cuda:  # the workers read it from other processes: it must be complete
-        torch.cuda.synchronize(out.device)
 
 
 def reduce_values(op: str, values: list[Any]) -> Any:

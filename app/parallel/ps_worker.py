@@ -1,5 +1,7 @@
 """A worker's side of the parameter server: hand buckets over during backward, wait for the
-averages, keep replicas honest with a periodic checksum."""
+averages, keep replicas honest with a periodic checksum. The order between this process's GPU
+work and the server's is kept with CUDA events (app/parallel/handover.py), never a device
+synchronize."""
 
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ import torch.nn as nn
 from app.devices import WorkerEnv
 from app.parallel import float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
+from app.parallel.handover import WorkerSignals, worker_signals
 from app.parallel.ps_server import ServerLinks
 from app.parallel.watch import SyncFailure, Watch
 
 
 class ParameterServerSync:
     def __init__(self, links: ServerLinks, env: WorkerEnv, watch: Watch, bucket_mb: float,
-                 check_every: int):
+                 check_every: int, signals: WorkerSignals | None = None):
         self.links = links
         self.env = env
         self.watch = watch
@@ -30,6 +33,7 @@ class ParameterServerSync:
         self.reduce_index = 0
         self.weight = 0
         self.handed_over: set[int] = set()
+        self.signals = signals
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Register our gradient buckets, then take the server's initial weights."""
@@ -37,12 +41,16 @@ class ParameterServerSync:
         self.params = list(model.parameters())
         self.layout = BucketLayout.for_params(self.params, self.bucket_mb)
         self.buckets = self.layout.allocate(self.env.device, shared=True)
+        self.inbox = self.layout.allocate(self.env.device, shared=True)
+        self.signals = self.signals or worker_signals(torch.device(self.env.device),
+                                                      len(self.layout))
         names = [name for name, _ in model.named_parameters()]
         # Worker 0's weights (a restored checkpoint included) are what the server broadcasts.
         state = ({k: v.detach().cpu().clone().share_memory_()
                   for k, v in model.state_dict().items()} if self.env.rank == 0 else None)
-        self.links.inbox.put(("register", self.env.rank, os.getpid(), self.buckets, names, state))
-        _, server_pid, self.averages, initial = self.receive("hello")
+        self.links.inbox.put(("register", self.env.rank, os.getpid(), self.buckets, self.inbox,
+                              self.signals.for_server(), names, state))
+        _, server_pid, initial = self.receive("hello")
         self.watch.peers["parameter server"] = server_pid
         model.load_state_dict(initial)  # copies into this replica's own tensors and device
         self.hooks = BucketHooks(model, self.layout, self.hand_over)
@@ -60,8 +68,7 @@ class ParameterServerSync:
     def hand_over(self, bucket: int) -> None:
         """Called from backward (autograd's thread) when a bucket's gradients are complete."""
         self.layout.pack(bucket, self.params, self.buckets[bucket], float(self.weight))
-        if self.buckets[bucket].is_cuda:  # the server reads it from another process
-            torch.cuda.synchronize(self.buckets[bucket].device)
+        self.signals.wrote_gradients(bucket)  # before the message that announces it
         self.handed_over.add(bucket)
         self.links.inbox.put(("grads", self.env.rank, self.step_index, bucket, self.weight))
 
@@ -75,7 +82,8 @@ class ParameterServerSync:
             if step != self.step_index:
                 raise SyncFailure(f"worker {self.env.rank} expected step {self.step_index}, "
                                   f"the server answered for step {step}")
-            self.layout.unpack(bucket, self.params, self.averages[bucket])
+            self.signals.wait_for_average(bucket)
+            self.layout.unpack(bucket, self.params, self.inbox[bucket])
         self.step_index += 1
         return total
 

@@ -1,0 +1,87 @@
+"""bin/bench.py: sub-commands, each printing images/s beside a baseline measured in the same
+run (and writing a JSON report with --json / --out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EXAMPLES = """examples:
+  python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
+  python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
+  python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8
+  python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    model = commands.add_parser("model", help="model-only images/s: ours vs the peer's numerics")
+    model.add_argument("-a", "--arch", default="resnet50")
+    model.add_argument("-b", "--batch-size", type=int, default=256)
+    model.add_argument("--image-size", type=int, default=224)
+    model.add_argument("--device", default="cuda")
+    model.add_argument("--steps", type=int, default=50)
+    model.add_argument("--warmup", type=int, default=5)
+    model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
+    sync = commands.add_parser("sync", help="step time: 1 worker vs N workers ps vs allreduce")
+    sync.add_argument("-a", "--arch", default="resnet50")
+    sync.add_argument("-b", "--batch-size", type=int, default=16, help="per worker")
+    sync.add_argument("--image-size", type=int, default=64)
+    sync.add_argument("--devices", default="cpu,cpu", help="worker devices, e.g. cuda:0,cuda:1")
+    sync.add_argument("--steps", type=int, default=10)
+    sync.add_argument("--warmup", type=int, default=3)
+    sync.add_argument("--bucket-mb", type=float, default=25.0)
+    loader = commands.add_parser("loader", help="loader-only images/s of one or more datasets")
+    loader.add_argument("--catalog", default="datasets.toml")
+    loader.add_argument("--dataset", action="append", required=True,
+                        help="repeat to compare datasets; ratios are to the first")
+    loader.add_argument("-b", "--batch-size", type=int, default=64)
+    loader.add_argument("-j", "--workers", type=int, default=4)
+    loader.add_argument("--image-size", type=int, default=224)
+    loader.add_argument("--batches", type=int, default=20)
+    check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests and a "
+                                "throughput probe, one JSON report")
+    check.add_argument("--quick", action="store_true", help="probe without torch.compile")
+    check.add_argument("--no-probe", action="store_true", help="only the tests")
+    check.add_argument("-k", "--select", default="", help="only the gpu tests matching this "
+                       "pytest -k expression")
+    check.add_argument("-n", "--parallel", type=int, default=4, help="test processes sharing "
+                       "the GPU (needs pytest-xdist; 1 = one after the other)")
+    check.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds")
+    for sub in (model, sync, loader):
+        sub.add_argument("--json", help="also write the report to this file")
+    check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
+                       help="the report (default: gpu-check.json)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    code = 0
+    # torch-heavy modules load after parsing, so --help and mistakes answer at once
+    if args.command == "model":
+        from app.bench import model as bench  # noqa: PLC0415
+        settings = [bench.OURS_EAGER, bench.PEER] if args.no_compile else \
+            [bench.OURS, bench.OURS_EAGER, bench.PEER]
+        report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
+                           args.steps, args.warmup, settings)
+    elif args.command == "sync":
+        from app.bench import sync as bench  # noqa: PLC0415
+        report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
+                           args.steps, args.warmup, args.bucket_mb)
+    elif args.command == "loader":
+        from app.bench import loader as bench  # noqa: PLC0415
+        report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
+                           args.workers, args.batches)
+    else:
+        from app.bench import gpu_check as bench  # noqa: PLC0415
+        report, code = bench.run(Path(args.json), args.quick, not args.no_probe,
+                                 args.tests_timeout, args.parallel, args.select)
+    print(bench.format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return code

@@ -1,0 +1,108 @@
+"""Who may touch a bucket when: the order between a worker's GPU work and the server's, without
+a full device synchronize per bucket on either side.
+
+Each worker owns two buffers per bucket: `grads` (it packs its gradients there; the server
+reads them) and `inbox` (the server writes the average there; the worker unpacks it). Two
+guarantees must hold:
+1. the server never reads a worker's `grads` bucket while the worker still writes it;
+2. the server never overwrites a worker's `inbox` bucket while the worker still reads it.
+
+On CUDA each bucket has two interprocess events, made by the worker on its device and handed
+to the server once, with the buffers:
+- `written`: the worker records it on its stream right after packing, then says "bucket b of
+  step k is ready"; the server makes its stream wait on it before enqueuing any read.
+- `averaged`: the server records it after enqueuing the copy into the worker's inbox, then
+  says "average b of step k"; the worker's stream waits on it before the unpack.
+A message always follows the record it announces, so a wait never sees an older record than
+the one meant. Guarantee 2 follows from stream order: the worker packs bucket b of step k+1
+(and records `written` again) only after its unpack of step k on the same stream, and the
+server's next write into that inbox waits for that record.
+
+On CPU everything a process did is finished when it sends its message: nothing to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class WorkerSignals(Protocol):
+    def wrote_gradients(self, bucket: int) -> None: ...
+    def wait_for_average(self, bucket: int) -> None: ...
+    def for_server(self) -> Any:
+        """What the server needs to build its ServerSignals (sent with the registration)."""
+
+
+class ServerSignals(Protocol):
+    def wait_for_gradients(self, worker: int, bucket: int) -> None: ...
+    def wrote_average(self, worker: int, bucket: int) -> None: ...
+
+
+class HostSignals:
+    """CPU buffers: every write is complete when the writer sends its message."""
+
+    def wrote_gradients(self, bucket: int) -> None:
+        pass
+
+    def wait_for_average(self, bucket: int) -> None:
+        pass
+
+    def for_server(self) -> None:
+        return None
+
+    def wait_for_gradients(self, worker: int, bucket: int) -> None:
+        pass
+
+    def wrote_average(self, worker: int, bucket: int) -> None:
+        pass
+
+
+class CudaWorkerSignals:
+    def __init__(self, device: torch.device, buckets: int):
+        self.device = device
+        with torch.cuda.device(device):
+            self.written = [torch.cuda.Event(interprocess=True) for _ in range(buckets)]
+            self.averaged = [torch.cuda.Event(interprocess=True) for _ in range(buckets)]
+
+    def wrote_gradients(self, bucket: int) -> None:
+        self.written[bucket].record(torch.cuda.current_stream(self.device))
+
+    def wait_for_average(self, bucket: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.averaged[bucket])
+
+    def for_server(self) -> tuple[list, list]:
+        return self.written, self.averaged
+
+
+class CudaServerSignals:
+    """The server's side: for each worker its device and its two lists of events.
+
+    The server moves data with tensor.copy_, which for a copy between devices runs on the
+    source device's current stream and orders itself against the destination's current
+    stream in both directions. So waiting on the worker device's current stream orders every
+    read of that worker's buffers, and recording on it after the inbox copy marks the end of
+    the write."""
+
+    def __init__(self, devices: list[torch.device], events: list[tuple[list, list]]):
+        self.devices = devices
+        self.written = [written for written, _ in events]
+        self.averaged = [averaged for _, averaged in events]
+
+    def wait_for_gradients(self, worker: int, bucket: int) -> None:
+        stream = torch.cuda.current_stream(self.devices[worker])
+        stream.wait_event(self.written[worker][bucket])
+
+    def wrote_average(self, worker: int, bucket: int) -> None:
+        self.averaged[worker][bucket].record(torch.cuda.current_stream(self.devices[worker]))
+
+
+def worker_signals(device: torch.device, buckets: int) -> WorkerSignals:
+    return CudaWorkerSignals(device, buckets) if device.type == "cuda" else HostSignals()
+
+
+def server_signals(devices: list[torch.device], events: list[Any]) -> ServerSignals:
+    if all(device.type == "cpu" for device in devices):
+        return HostSignals()
+    return CudaServerSignals(devices, events)

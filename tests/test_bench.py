@@ -1,0 +1,44 @@
+"""bin/bench.py sub-commands that run anywhere: model-only throughput and gpu-check's report
+(on a machine without a GPU it still writes one, with every gpu test skipped)."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO
+
+
+def bench(*args, timeout=600):
+    return subprocess.run([sys.executable, str(REPO / "bin" / "bench.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_model_bench_reports_ours_beside_the_peer(tmp_path):
+    report = tmp_path / "model.json"
+    result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
+                   "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(report.read_text())["results"]
+    assert [r["label"] for r in rows] == ["ours without compile", "pytorch/examples: fp32, NCHW"]
+    assert all(r["images_per_s"] > 0 for r in rows)
+    assert rows[-1]["ratio_to_peer"] == 1.0
+    assert rows[0]["ratio_to_peer"] == rows[0]["images_per_s"] / rows[1]["images_per_s"]
+
+
+def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):
+    out = tmp_path / "report.json"
+    result = bench("gpu-check", "--out", str(out))
+    report = json.loads(out.read_text())
+    tests = {t["name"].rsplit("::", 1)[-1]: t for t in report["tests"]["tests"]}
+    assert "test_no_host_sync_inside_a_training_step[off]" in tests
+    assert any(name.startswith("test_two_gpus_match_one") for name in tests)
+    assert report["environment"]["versions"]["torch"] == torch.__version__
+    if torch.cuda.is_available():  # on a GPU machine: its own verdict
+        assert (result.returncode == 0) == (report["verdict"] == "ok")
+        return
+    assert result.returncode == 2 and report["verdict"] == "no CUDA GPU"
+    assert {t["outcome"] for t in tests.values()} == {"skipped"}
+    assert report["throughput"] is None and report["environment"]["gpus"] == []
+    assert "verdict: no CUDA GPU" in result.stdout

@@ -1,0 +1,155 @@
+"""The GPU paths, on a GPU (skipped without one; `gpu2` tests need two). They are what
+`python3 bin/bench.py gpu-check` runs on a GPU machine.
+
+Tolerances: float64 runs agree to 1e-9 whatever the reduction order; float32 with TF32 off to
+1e-4 (cuDNN may pick other algorithms, which reorder sums, over 15 steps); bf16 autocast to 2e-2
+(the rounding of activations and gradients differs with the batch split).
+"""
+
+import json
+
+import pytest
+import torch
+
+from app import checkpoint, run_state
+from app.config_sources import parse_config
+from app.devices import WorkerEnv
+from app.interrupts import PREEMPTED_EXIT_CODE, Action
+from app.parallel import LocalSync
+from app.run import prepare_job, write_run_folder
+from app.train import Trainer
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+from test_parallel import EXACT, relative_difference, weights
+from test_reliability import last, stop_with_sigterm_after
+
+CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
+NUMERICS = {  # flags that replace EXACT's float64, and the tolerance they allow
+    "float64": ((), 1e-9),
+    "float32, TF32 off": (("--dtype", "float32", "--no-tf32"), 1e-4),
+    "bf16, channels_last": (("--dtype", "float32", "--amp", "bf16", "--channels-last"), 2e-2),
+}
+
+
+def epoch_records(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, [r for r in rows if "val/top1" in r]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_two_workers_sharing_one_gpu_match_one_worker(tmp_path, sync, numerics):
+    """CUDA IPC buckets and events (ps); gloo on CUDA tensors (allreduce: NCCL refuses two
+    ranks on one GPU). Compile off: equivalence is about the sync, compile is tested below."""
+    extra, tolerance = NUMERICS[numerics]
+    flags = [*CATALOG, *EXACT, *extra, "--device", "cuda:0", "--compile", "off"]
+    one = run_driver(*flags, "-b", "10", "--run-name", "one", cwd=tmp_path)
+    two = run_driver(*flags, "-b", "5", "--devices", "cuda:0,cuda:0", "--sync", sync,
+                     "--run-name", "two", cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    a, b = weights(tmp_path / "runs" / "one"), weights(tmp_path / "runs" / "two")
+    assert a["step"] == b["step"] == 15
+    assert relative_difference(a["model"], b["model"]) < tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu2
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_two_gpus_match_one(tmp_path, sync):
+    """The parameter server's reduction across devices (peer copies onto each bucket's
+    reduction GPU) and NCCL, both against one worker with twice the batch."""
+    flags = [*CATALOG, *EXACT, "--compile", "off"]
+    one = run_driver(*flags, "--device", "cuda:0", "-b", "10", "--run-name", "one", cwd=tmp_path)
+    two = run_driver(*flags, "--gpus", "2", "-b", "5", "--sync", sync, "--run-name", "two",
+                     cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    difference = relative_difference(weights(tmp_path / "runs" / "one")["model"],
+                                     weights(tmp_path / "runs" / "two")["model"])
+    assert difference < 1e-9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("devices", [("--device", "cuda:0"),
+                                     ("--devices", "cuda:0,cuda:0", "--sync", "ps"),
+                                     ("--devices", "cuda:0,cuda:0", "--sync", "allreduce")])
+def test_bf16_channels_last_and_compile_train_the_tiny_sample(tmp_path, devices):
+    """The defaults on CUDA: bf16 autocast, channels_last and torch.compile, also with the
+    parameter server's bucket hooks and with DDP."""
+    result = run_driver(*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "--epochs", "4", *devices,
+                        "--run-name", "gpu", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, epochs = epoch_records(tmp_path / "runs" / "gpu")
+    assert epochs[-1]["val/top1"] >= 0.6  # chance: 0.1
+    compiled = [r for r in rows if "compile/first_step_s" in r]
+    assert len(compiled) == 1 and compiled[0]["compile/first_step_s"] > 0
+    state = weights(tmp_path / "runs" / "gpu")
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])
+
+
+@pytest.mark.gpu
+def test_sigterm_then_resume_on_the_gpu_continues(tmp_path):
+    flags = (*CATALOG, *TINY_TRAIN_FLAGS, "--classes", "5", "-b", "8", "--epochs", "2", "-p",
+             "1", "--device", "cuda:0")
+    code, stderr = stop_with_sigterm_after(tmp_path, (*flags, "--run-name", "cut"), step=5)
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    cut = last(tmp_path / "runs" / "cut")
+    assert 0 < cut["epoch_step"] < 20
+    replica = run_state.load(tmp_path / "runs" / "cut" / "checkpoints" / "last.pt",
+                             WorkerEnv(device="cuda:0"))["replica"]
+    assert isinstance(replica["rng"]["cuda"], torch.Tensor)  # this worker's generator only
+    resumed = run_driver(*flags, "--run-name", "cut", "--resume", "auto", cwd=tmp_path,
+                         timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = last(tmp_path / "runs" / "cut")
+    assert (done["epoch"], done["step"]) == (2, 40)
+    rows, epochs = epoch_records(tmp_path / "runs" / "cut")
+    assert epochs[-1]["train/images"] == 160 and epochs[-1]["epoch"] == 2
+
+
+class SyncDebugWindow:
+    """Requests for the Trainer's loop: after `start` warm-up steps, any host sync inside a
+    step raises; the run stops before the epoch's last step (which logs, and may sync)."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop, self.checked = start, stop, 0
+
+    def poll(self, rank: int, step: int) -> Action:
+        if step == self.start:
+            torch.cuda.set_sync_debug_mode("error")
+        if step == self.stop:
+            torch.cuda.set_sync_debug_mode("default")
+            self.checked = self.stop - self.start
+            return Action(save=True, stop=True)
+        return Action()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_setting", ["off", "on"])
+def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting):
+    config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", "2", "-p", "1000",
+                              "--device", "cuda:0", "--compile", compile_setting,
+                              "--output-dir", str(tmp_path), "--run-name", "nosync"])
+    job = prepare_job(config)
+    write_run_folder(job)
+    window = SyncDebugWindow(start=2, stop=18)  # 20 steps per epoch
+    trainer = Trainer(job, WorkerEnv(device="cuda:0"), LocalSync(), requests=window)
+    try:
+        assert not trainer.train_epoch()  # stopped by the window, not by an error
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer.close()
+    assert window.checked == 16 and trainer.position.step == 18
+
+
+@pytest.mark.gpu
+def test_checkpoints_hold_the_workers_own_cuda_generator():
+    torch.cuda.set_device("cuda:0")
+    states = checkpoint.rng_states("cuda:0")
+    assert isinstance(states["cuda"], torch.Tensor)  # one device's state, not a list
+    expected = torch.rand(4, device="cuda:0")
+    torch.rand(100, device="cuda:0")
+    checkpoint.set_rng_states(states, "cuda:0")
+    assert torch.equal(torch.rand(4, device="cuda:0"), expected)
+    # a checkpoint of an earlier version (one state per GPU of an 8-GPU machine) still loads
+    checkpoint.set_rng_states({**states, "cuda": [states["cuda"]] * 8}, "cuda:0")
+    assert torch.equal(torch.rand(4, device="cuda:0"), expected)
