@@ -62,9 +62,16 @@ class HostSignals:
 class CudaWorkerSignals:
     def __init__(self, device: torch.device, buckets: int):
         self.device = device
-        with torch.cuda.device(device):
-            self.written = [torch.cuda.Event(interprocess=True) for _ in range(buckets)]
-            self.averaged = [torch.cuda.Event(interprocess=True) for _ in range(buckets)]
+        self.written = [self._created_event() for _ in range(buckets)]
+        self.averaged = [self._created_event() for _ in range(buckets)]
+
+    def _created_event(self) -> torch.cuda.Event:
+        """CUDA creates an event lazily, on the device current in the thread that first needs
+        it; the registration is pickled in a queue's feeder thread, whose current device is
+        GPU 0. Recording it once here creates it on this worker's device."""
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def wrote_gradients(self, bucket: int) -> None:
         self.written[bucket].record(torch.cuda.current_stream(self.device))
