@@ -1,8 +1,8 @@
 """Train and eval recipes: where to crop, whether to flip, and normalisation.
 
-Crop boxes are computed from the image size and a per-image seed, so any decoder applies the
-same recipe. Loaders ship uint8 pixels; normalising to float happens on the training device,
-batched (app/data/device.py).
+Crop boxes are computed from the image size and a per-image seed, so any decoder (Pillow,
+DALI) applies the same recipe. Plain Python: DALI's reader processes import this module, and
+they have no use for torch.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import math
 import random
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-from PIL import Image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -75,13 +72,3 @@ class EvalRecipe:
 
 
 Recipe = TrainRecipe | EvalRecipe
-
-
-def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
-    """Crop, resize (antialiased bilinear) and flip an RGB image -> uint8 tensor (S, S, 3)."""
-    (top, left, h, w), flip = recipe.plan(image.height, image.width, seed)
-    out = image.resize((recipe.size, recipe.size), Image.Resampling.BILINEAR,
-                       box=(left, top, left + w, top + h))
-    if flip:
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.asarray(out).copy())

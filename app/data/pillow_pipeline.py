@@ -10,17 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import pandas as pd
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from app.data.augment import Recipe, apply_on_pil
+from app.data.augment import Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.storage import DatasetRoot
+
+
+def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
+    """Crop, resize (antialiased bilinear) and flip an RGB image -> uint8 tensor (S, S, 3)."""
+    (top, left, h, w), flip = recipe.plan(image.height, image.width, seed)
+    out = image.resize((recipe.size, recipe.size), Image.Resampling.BILINEAR,
+                       box=(left, top, left + w, top + h))
+    if flip:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(out).copy())
+
 
 
 @dataclass

@@ -68,10 +68,23 @@ class ShardedBatches:
         mine = len(split_evenly(np.arange(self.num_items), self.world_size, self.rank))
         return math.ceil(mine / self.batch_size)
 
-    def order(self) -> np.ndarray:
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """The epoch's permutation of all items (the selected epoch's by default)."""
         if not self.shuffle:
             return np.arange(self.num_items)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_items)
+        epoch = self.epoch if epoch is None else epoch
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+
+    def items(self, order: np.ndarray, epoch: int, step: int) -> list[tuple[int, int]]:
+        """This worker's (index, augmentation seed) pairs of one step, given the epoch's
+        order: a pure function, so a reader in another process computes the same batch."""
+        if self.shuffle:
+            batch = order[step * self.global_batch:(step + 1) * self.global_batch]
+            mine = split_evenly(batch, self.world_size, self.rank)
+        else:
+            part = split_evenly(order, self.world_size, self.rank)
+            mine = part[step * self.batch_size:(step + 1) * self.batch_size]
+        return [(int(i), mix_seed(self.seed, epoch, int(i))) for i in mine]
 
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
@@ -79,10 +92,4 @@ class ShardedBatches:
     def __iter__(self):
         order = self.order()
         for step in range(self.start_step, self.steps_per_epoch()):
-            if self.shuffle:
-                batch = order[step * self.global_batch:(step + 1) * self.global_batch]
-                mine = split_evenly(batch, self.world_size, self.rank)
-            else:
-                part = split_evenly(order, self.world_size, self.rank)
-                mine = part[step * self.batch_size:(step + 1) * self.batch_size]
-            yield [(int(i), mix_seed(self.seed, self.epoch, int(i))) for i in mine]
+            yield self.items(order, self.epoch, step)
