@@ -58,8 +58,14 @@ class DataConfig:
         "cls", "train image list: cls = ImageSets/CLS-LOC/train_cls.txt (all images), "
         "csv = LOC_train_solution.csv (boxed images only, ~42%%), listing = directory listing",
         choices=("cls", "csv", "listing"))
-    decoder: str = param("pillow", "input pipeline: pillow = Pillow in DataLoader processes",
-                         choices=("pillow",))  # the names of app/data/decoders.py DECODERS
+    decoder: str = param(
+        "auto", "input pipeline: dali = NVIDIA DALI (the GPU's hardware JPEG decoder; on a CPU "
+        "its CPU operators), pillow = Pillow in DataLoader processes, auto = dali on CUDA when "
+        "DALI is installed, else pillow", choices=("auto", "dali", "pillow"))  # + DECODERS
+    hw_decoder_load: float = param(
+        1.0, "DALI on a GPU: share of each batch for the hardware JPEG decoder (1.0: every "
+        "image it can take, independent of the batch)", check=(lambda v: 0 <= v <= 1,
+                                                               "must be in [0, 1]"))
     workers: int = param(4, "data loading processes per device", "-j", check=at_least(0))
     max_bad_fraction: float = param(
         0.01, "stop when more than this share of an epoch's images cannot be read or decoded "

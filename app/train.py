@@ -313,4 +313,6 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
                        ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,
                                       world_size=env.world_size, shuffle=False),
                        workers, form)
-    return build_pipeline(config.data.decoder, train), build_pipeline(config.data.decoder, val)
+    options = {"hw_decoder_load": config.data.hw_decoder_load}
+    return (build_pipeline(config.data.decoder, train, **options),
+            build_pipeline(config.data.decoder, val, **options))

@@ -101,6 +101,6 @@ def choices(section: str, key: str) -> tuple:
 
 
 def test_name_tables_match_the_config_choices():
-    assert set(choices("data", "decoder")) == set(DECODERS)
+    assert set(choices("data", "decoder")) == set(DECODERS) | {"auto"}
     assert set(choices("logging", "loggers")) == set(LOGGERS)
     assert set(choices("parallel", "sync")) == (set(SYNC_MODES) - {"local"}) | {"auto"}

@@ -1,26 +1,54 @@
 """Input pipelines by name (`data.decoder`): adding a decoder is one entry here.
 
-Implementations are imported only when chosen: a machine without a decoder's package can run
-the others.
+Implementations are imported only when chosen: a machine without a decoder's package (DALI)
+can run the others. `auto` is DALI when the training device is a GPU and DALI imports, else
+Pillow: on a CPU the two are about as fast (docs/benchmarks.md) and Pillow starts faster.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from app.data.pipeline import InputPipeline, PipelineSpec
 from app.errors import UserError
 
 
-def _pillow(spec: PipelineSpec) -> InputPipeline:
+def _pillow(spec: PipelineSpec, options: dict) -> InputPipeline:  # no options of its own
     from app.data.pillow_pipeline import PillowPipeline  # noqa: PLC0415
     return PillowPipeline(spec)
 
 
-DECODERS: dict[str, Callable[[PipelineSpec], InputPipeline]] = {"pillow": _pillow}
+def _dali(spec: PipelineSpec, options: dict) -> InputPipeline:
+    if not dali_imports():
+        raise UserError("--decoder dali: NVIDIA DALI does not import here; pip install "
+                        "nvidia-dali-cuda130 (see requirements.txt), or --decoder pillow")
+    from app.data.dali_pipeline import DaliPipeline  # noqa: PLC0415
+    return DaliPipeline(spec, **options)
 
 
-def build_pipeline(decoder: str, spec: PipelineSpec) -> InputPipeline:
+DECODERS: dict[str, Callable[[PipelineSpec, dict], InputPipeline]] = {
+    "pillow": _pillow, "dali": _dali}
+
+
+def dali_imports() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401, PLC0415
+    except (ImportError, OSError):  # not installed, or its libraries do not load
+        return False
+    return True
+
+
+def resolve_decoder(decoder: str, device: torch.device) -> str:
+    if decoder == "auto":
+        return "dali" if device.type == "cuda" and dali_imports() else "pillow"
+    return decoder
+
+
+def build_pipeline(decoder: str, spec: PipelineSpec, **options) -> InputPipeline:
+    """`options` go to the implementation (DALI: hw_decoder_load)."""
+    decoder = resolve_decoder(decoder, spec.form.device)
     if decoder not in DECODERS:
-        raise UserError(f"unknown decoder '{decoder}'; known: {', '.join(DECODERS)}")
-    return DECODERS[decoder](spec)
+        raise UserError(f"unknown decoder '{decoder}'; known: auto, {', '.join(DECODERS)}")
+    return DECODERS[decoder](spec, options)

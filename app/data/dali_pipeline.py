@@ -1,0 +1,187 @@
+"""The DALI input pipeline: our recipe, NVIDIA's engine.
+
+Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's
+bytes through our BlobReader and hand DALI each image's crop box and flip from the recipe's
+plan(), so data order and augmentation stay functions of (seed, epoch, image) and exact resume
+holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
+JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
+normalises it straight to float in HWC, which torch views as channels_last NCHW.
+
+Bad data never ends a run: the reader replaces what it cannot read or decode-check with a
+placeholder and a reason, and this side drops those images and reports them like the Pillow
+path. Should DALI still fail a batch (a file whose header looked fine), that batch is redone
+through the Pillow path, where the bad file is found and skipped, and the pipeline is rebuilt
+from the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterator
+
+import torch
+from nvidia.dali import Pipeline, fn, types
+from nvidia.dali.plugin.pytorch import feed_ndarray
+
+from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from app.data.dali_source import BatchSource
+from app.data.device import ToDevice
+from app.data.pillow_pipeline import ImageDataset, collate
+from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
+from app.errors import first_line
+
+log = logging.getLogger("imagenet_dp")
+
+READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64, types.INT64,
+                types.UINT8]  # bytes, anchor, shape, mirror, label, row, reason
+BATCHES_AHEAD = 2  # per reader process
+# The mixed decoder's memory, allocated once instead of growing with the largest image seen
+# (the sizes NVIDIA's own ResNet-50 pipeline uses for ImageNet).
+DEVICE_MEMORY_PADDING = 211_025_920
+HOST_MEMORY_PADDING = 140_544_512
+LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
+
+
+class DaliPipeline:
+    def __init__(self, spec: PipelineSpec, hw_decoder_load: float = 1.0):
+        self.spec = spec
+        self.hw_decoder_load = hw_decoder_load
+        self.pipe: Pipeline | None = None
+        self.next: tuple[int, int] | None = None  # (epoch, step) the built pipeline delivers
+        self.fallback: ImageDataset | None = None
+        self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
+
+    def steps_per_epoch(self) -> int:
+        return self.spec.batches.steps_per_epoch()
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
+        epoch = epoch if self.spec.batches.shuffle else 0  # every val pass is the same
+        if self.next != (epoch, start_step):
+            self.build(epoch, start_step)
+        for step in range(start_step, self.steps_per_epoch()):
+            try:
+                outputs = self.pipe.run()
+            except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
+                log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
+                            step, epoch + 1, what_failed(error))
+                batch = self.redo_with_pillow(epoch, step)
+                self.build(epoch, step + 1)
+            else:
+                batch = self.to_batch(*outputs)
+            self.next = (epoch, step + 1)
+            yield batch
+        self.end_epoch(epoch)
+
+    def build(self, epoch: int, step: int) -> None:
+        """A pipeline that delivers `step` of `epoch` first, then the following epochs."""
+        self.close()
+        spec = self.spec
+        source = BatchSource(spec.root, spec.frame, spec.recipe, spec.batches, epoch, step)
+        device = spec.form.device
+        on_gpu = device.type == "cuda"
+        self.pipe = Pipeline(batch_size=max(1, spec.batches.batch_size),
+                             num_threads=max(1, spec.workers),
+                             device_id=(device.index or 0) if on_gpu else None,
+                             py_num_workers=max(1, math.ceil(spec.workers / 2)),
+                             py_start_method="spawn", prefetch_queue_depth=2)
+        with self.pipe:
+            jpegs, anchors, shapes, mirror, labels, rows, reasons = fn.external_source(
+                source=source, num_outputs=7, batch=True, batch_info=True, parallel=True,
+                prefetch_queue_depth=BATCHES_AHEAD, dtype=READER_TYPES)
+            images = fn.decoders.image_slice(
+                jpegs, anchors, shapes, output_type=types.RGB, axis_names="WH",
+                normalized_anchor=False, normalized_shape=False, adjust_orientation=False,
+                **(self.gpu_decoder() if on_gpu else {"device": "cpu"}))
+            size = spec.recipe.size
+            images = fn.resize(images, resize_x=size, resize_y=size,
+                               interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.crop_mirror_normalize(
+                images, mirror=mirror, dtype=types.FLOAT, output_layout="HWC",
+                mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
+            self.pipe.set_outputs(images, labels.gpu() if on_gpu else labels, rows, reasons)
+        self.pipe.build()
+        self.next = (epoch, step)
+
+    def gpu_decoder(self) -> dict:
+        """The hardware JPEG decoder (the rest on CUDA): `hw_decoder_load` 1.0 sends every
+        image it can take there, so which decoder an image meets does not depend on its batch;
+        `affine=False` leaves the cores unpinned for the other workers of the machine;
+        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow."""
+        width, height = LARGEST_IMAGE
+        return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
+                "preallocate_width_hint": width, "preallocate_height_hint": height,
+                "device_memory_padding": DEVICE_MEMORY_PADDING,
+                "host_memory_padding": HOST_MEMORY_PADDING, "affine": False,
+                "jpeg_fancy_upsampling": True}
+
+    def to_batch(self, images, labels, rows, reasons) -> DeviceBatch:
+        """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
+        the copy is queued on torch's stream after DALI's work), the placeholders dropped."""
+        form, count, size = self.spec.form, len(rows), self.spec.recipe.size
+        pixels = torch.empty((count, size, size, 3), dtype=torch.float32, device=form.device)
+        targets = torch.empty(count, dtype=torch.int64, device=form.device)
+        if count:
+            stream = torch.cuda.current_stream(form.device) if form.device.type == "cuda" \
+                else None
+            feed_ndarray(images.as_tensor(), pixels, cuda_stream=stream)
+            feed_ndarray(labels.as_tensor(), targets, cuda_stream=stream)
+        why = [bytes(reasons.at(i)).decode("utf-8") for i in range(count)]
+        skipped = [Skipped(self.spec.frame.path.iat[int(rows.at(i))], why[i])
+                   for i in range(count) if why[i]]
+        if skipped:  # contiguous runs of good images: slices and one cat, no device sync
+            runs = _runs([i for i in range(count) if not why[i]]) or [(0, -1)]
+            pixels = torch.cat([pixels[first:last + 1] for first, last in runs])
+            targets = torch.cat([targets[first:last + 1] for first, last in runs])
+        memory_format = torch.channels_last if form.channels_last else torch.contiguous_format
+        images_nchw = pixels.permute(0, 3, 1, 2).to(dtype=form.dtype,
+                                                    memory_format=memory_format)
+        return DeviceBatch(images_nchw, targets, skipped)
+
+    def redo_with_pillow(self, epoch: int, step: int) -> DeviceBatch:
+        spec = self.spec
+        if self.fallback is None:
+            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe)
+        items = spec.batches.items(spec.batches.order(epoch), epoch, step)
+        host = collate(self.fallback.__getitems__(items))
+        images, labels = self.to_device(host.images, host.labels)
+        return DeviceBatch(images, labels, host.skipped)
+
+    def end_epoch(self, epoch: int) -> None:
+        """DALI's source ends the epoch with StopIteration; reset for the next one."""
+        if self.pipe is None or self.next is None:
+            return
+        try:
+            self.pipe.run()
+        except StopIteration:
+            self.pipe.reset()
+            self.next = (epoch + 1 if self.spec.batches.shuffle else 0, 0)
+            return
+        raise RuntimeError(f"the DALI pipeline delivered more than {self.steps_per_epoch()} "
+                           f"steps in epoch {epoch + 1}")
+
+    def close(self) -> None:
+        """Stops the reader processes and frees DALI's memory."""
+        if self.pipe is not None:
+            del self.pipe
+            self.pipe = None
+        self.next = None
+
+
+def what_failed(error: RuntimeError) -> str:
+    """DALI's message repeats 'Critical error in pipeline:' and the pipeline's definition
+    before the line that says what went wrong."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = next((line for line in lines if line.startswith("Failed to decode")), None)
+    return (detail or first_line(error))[:200]
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """[0, 1, 2, 5, 6] -> [(0, 2), (5, 6)]"""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs

@@ -1,0 +1,107 @@
+"""What DALI's reader processes run: a batch's bytes and, for each image, the crop box and flip
+of our own recipe, so DALI decodes exactly the region the Pillow path would crop.
+
+The callable is picklable and imports no torch (DALI spawns its processes and imports this
+module there). It reads through our BlobReader, so every catalog entry (local, S3, cache)
+works. A bad file never reaches DALI's decoder, which would fail the whole batch: what the
+header tells is checked first, and a bad or missing image travels as a tiny placeholder with
+its reason, so the pipeline drops it and reports it like the Pillow path does.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import numpy as np
+import pandas as pd
+from PIL import Image
+
+from app.data.augment import Recipe
+from app.data.decode import BadImage, open_image, to_rgb
+from app.data.reader import BlobReader
+from app.data.sampler import ShardedBatches
+from app.storage import DatasetRoot
+
+JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
+PNG_END = b"IEND\xaeB`\x82"
+NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
+
+
+@functools.cache
+def placeholder() -> bytes:
+    """An 8x8 grey JPEG that stands in for an image that could not be read."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def prepare(data: bytes) -> tuple[int, int, bytes]:
+    """(height, width, bytes for DALI) from what the header says, or BadImage.
+
+    Truncated files are caught here, because DALI may fill the missing part with grey instead
+    of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else (CMYK JPEGs,
+    palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow, exactly as
+    the Pillow path does, and handed over as a lossless PNG."""
+    image = open_image(data)
+    if image.format == "JPEG" and JPEG_END not in data[data.rfind(JPEG_SCAN):]:
+        raise BadImage("not decodable: truncated (no end of image after the last scan)")
+    if image.format == "PNG" and not data.rstrip(b"\0").endswith(PNG_END):
+        raise BadImage("not decodable: truncated PNG (no IEND chunk at its end)")
+    if (image.format, image.mode) not in NATIVE:
+        buffer = io.BytesIO()
+        to_rgb(image).save(buffer, "PNG", compress_level=1)
+        data = buffer.getvalue()
+    return image.height, image.width, data
+
+
+class BatchSource:
+    """DALI external_source callback (batch mode): batch `info.iteration` of DALI's epoch
+    `info.epoch_idx`, which is our epoch `first_epoch + epoch_idx`; the first one starts at
+    `first_step` (a run resumed mid-epoch). Outputs per image: encoded bytes, crop anchor
+    (x, y) and shape (w, h) in pixels, mirror flag, label, row in the table, and the reason it
+    was skipped as UTF-8 (empty for a good image)."""
+
+    def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
+                 batches: ShardedBatches, first_epoch: int, first_step: int):
+        self.reader = BlobReader(root)
+        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
+        self.labels = frame.label.to_numpy().astype(np.int64)
+        self.recipe = recipe
+        self.batches = batches
+        self.first_epoch, self.first_step = first_epoch, first_step
+
+    @functools.lru_cache(maxsize=2)  # each call is pure; the permutation costs ~20 ms
+    def order(self, epoch: int) -> np.ndarray:
+        return self.batches.order(epoch)
+
+    def step_of(self, epoch_idx: int, iteration: int) -> tuple[int, int]:
+        return self.first_epoch + epoch_idx, iteration + (self.first_step if epoch_idx == 0
+                                                          else 0)
+
+    def __call__(self, info) -> tuple[list[np.ndarray], ...]:
+        epoch, step = self.step_of(info.epoch_idx, info.iteration)
+        if step >= self.batches.steps_per_epoch():
+            raise StopIteration  # also for the batches DALI asks for ahead of the epoch's end
+        items = self.batches.items(self.order(epoch), epoch, step)
+        paths = [self.paths[index].decode("utf-8") for index, _ in items]
+        blobs = self.reader.read_many(paths)
+        columns: tuple[list[np.ndarray], ...] = ([], [], [], [], [], [], [])
+        for (index, seed), (data, reason) in zip(items, blobs):
+            for column, value in zip(columns, self.sample(index, seed, data, reason)):
+                column.append(value)
+        return columns
+
+    def sample(self, index: int, seed: int, data: bytes | None, reason: str) -> tuple:
+        if data is not None:
+            try:
+                height, width, data = prepare(data)
+                (top, left, h, w), flip = self.recipe.plan(height, width, seed)
+            except BadImage as error:
+                data, reason = None, str(error)
+        if data is None:
+            data, (top, left, h, w), flip = placeholder(), (0, 0, 8, 8), False
+        return (np.frombuffer(data, dtype=np.uint8), np.array([left, top], dtype=np.int32),
+                np.array([w, h], dtype=np.int32), np.array(int(flip), dtype=np.int32),
+                np.array(self.labels[index]), np.array(index, dtype=np.int64),
+                np.frombuffer(reason.encode("utf-8"), dtype=np.uint8))
