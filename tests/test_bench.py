@@ -42,3 +42,19 @@ def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):
     assert {t["outcome"] for t in tests.values()} == {"skipped"}
     assert report["throughput"] is None and report["environment"]["gpus"] == []
     assert "verdict: no CUDA GPU" in result.stdout
+
+
+def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
+    report = tmp_path / "e2e.json"
+    result = bench("e2e", "--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny",
+                   "-a", "test_resnet", "-b", "8", "--image-size", "32", "-j", "1", "--device",
+                   "cpu", "--steps", "3", "--warmup", "1", "--decoder", "pillow", "--json",
+                   str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    peer, ours = data["results"]
+    assert peer["label"] == "pytorch/examples recipe" and ours["label"] == "ours (pillow)"
+    assert all(r["images_per_s"] > 0 and r["cpu_cores"] > 0 for r in data["results"])
+    assert ours["ratio_to_peer"] == ours["images_per_s"] / peer["images_per_s"]
+    assert ours["share_of_model_only"] == ours["images_per_s"] / \
+        data["model_only"]["images_per_s"]

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 EXAMPLES = """examples:
+  python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
   python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8
@@ -19,6 +20,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    e2e = commands.add_parser("e2e", help="training from JPEG files: ours vs the pytorch/examples "
+                              "recipe, and as a share of model-only speed")
+    e2e.add_argument("--catalog", default="datasets.toml")
+    e2e.add_argument("--dataset", default="sample_bench")
+    e2e.add_argument("-a", "--arch", default="resnet50")
+    e2e.add_argument("-b", "--batch-size", type=int, default=256)
+    e2e.add_argument("--image-size", type=int, default=224)
+    e2e.add_argument("-j", "--workers", type=int, default=8, help="loader processes, both sides")
+    e2e.add_argument("--device", default="cuda")
+    e2e.add_argument("--decoder", default="auto", choices=("auto", "dali", "pillow"))
+    e2e.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    e2e.add_argument("--steps", type=int, default=50)
+    e2e.add_argument("--warmup", type=int, default=10)
     model = commands.add_parser("model", help="model-only images/s: ours vs the peer's numerics")
     model.add_argument("-a", "--arch", default="resnet50")
     model.add_argument("-b", "--batch-size", type=int, default=256)
@@ -52,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-n", "--parallel", type=int, default=4, help="test processes sharing "
                        "the GPU (needs pytest-xdist; 1 = one after the other)")
     check.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds")
-    for sub in (model, sync, loader):
+    for sub in (e2e, model, sync, loader):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -63,7 +77,12 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     code = 0
     # torch-heavy modules load after parsing, so --help and mistakes answer at once
-    if args.command == "model":
+    if args.command == "e2e":
+        from app.bench import e2e as bench  # noqa: PLC0415
+        report = bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
+                                       args.image_size, args.workers, args.device, args.steps,
+                                       args.warmup, args.decoder, args.compile))
+    elif args.command == "model":
         from app.bench import model as bench  # noqa: PLC0415
         settings = [bench.OURS_EAGER, bench.PEER] if args.no_compile else \
             [bench.OURS, bench.OURS_EAGER, bench.PEER]

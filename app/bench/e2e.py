@@ -1,0 +1,147 @@
+"""End to end: training from JPEG files, our trainer beside the peer's recipe
+(pytorch/examples, app/bench/peer.py) in the same run, and as a share of our model-only speed
+with the same settings (app/bench/model.py): the gap between the two is what the input
+pipeline still costs."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from app.bench import model as model_bench
+from app.bench.peer import peer_batches
+from app.bench.usage import cpu_seconds
+from app.catalog import Catalog
+from app.config_sources import parse_config
+from app.devices import WorkerEnv
+from app.models import create_model
+from app.parallel import LocalSync
+from app.run import prepare_job, write_run_folder
+from app.speed import compile_enabled
+from app.tables import load_tables
+from app.train import Trainer
+
+
+@dataclass(frozen=True)
+class Setup:
+    catalog: str
+    dataset: str
+    arch: str
+    batch_size: int
+    image_size: int
+    workers: int  # loader processes (ours: DALI's readers and threads; the peer's DataLoader)
+    device: str
+    steps: int
+    warmup: int
+    decoder: str = "auto"
+    compile: str = "auto"
+
+
+def timed(step: Callable[[], int], setup: Setup, label: str) -> dict:
+    """Images/s of `step` (it returns the images it trained on) over setup.steps steps after
+    setup.warmup, with the CPU cores the whole process tree used meanwhile."""
+    device = torch.device(setup.device)
+    on_cuda = device.type == "cuda"
+    for _ in range(setup.warmup):
+        step()
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cpu, started = cpu_seconds(), time.perf_counter()
+    images = sum(step() for _ in range(setup.steps))
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    return {"label": label, "images_per_s": images / seconds,
+            "cpu_cores": (cpu_seconds() - cpu) / seconds,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None}
+
+
+def ours(setup: Setup) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        config, _ = parse_config([
+            "--catalog", setup.catalog, "--dataset", setup.dataset, "-a", setup.arch,
+            "-b", str(setup.batch_size), "--image-size", str(setup.image_size),
+            "-j", str(setup.workers), "--device", setup.device, "--decoder", setup.decoder,
+            "--compile", setup.compile, "--output-dir", folder, "--run-name", "bench"])
+        job = prepare_job(config)
+        write_run_folder(job)
+        trainer = Trainer(job, WorkerEnv(device=setup.device), LocalSync())
+        batches = forever(trainer.train_data)
+
+        def step() -> int:
+            batch = next(batches)
+            trainer.train_step(batch)
+            return len(batch)
+        try:
+            decoder = type(trainer.train_data).__name__.removesuffix("Pipeline").lower()
+            compiled = " compiled" if compile_enabled(setup.compile, torch.device(setup.device)) \
+                else ""
+            return timed(step, setup, f"ours ({decoder}{compiled})")
+        finally:
+            trainer.close()
+
+
+def forever(pipeline) -> Iterator:
+    epoch = 0
+    while True:
+        yield from pipeline.epoch(epoch)
+        epoch += 1
+
+
+def peer(setup: Setup) -> dict:
+    """pytorch/examples' loop: fp32, NCHW, eager; TF32 only where torch allows it by default
+    (convolutions), cuDNN autotuning on."""
+    device = torch.device(setup.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("highest")
+    root = Catalog.load(setup.catalog).open(setup.dataset)
+    tables = load_tables(root)
+    torch.manual_seed(0)
+    model = create_model(setup.arch, tables.num_classes).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    batches = peer_batches(root, tables.train, setup.image_size, setup.batch_size,
+                           setup.workers, device)
+
+    def step() -> int:
+        images, labels = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return len(labels)
+    return timed(step, setup, "pytorch/examples recipe")
+
+
+def run(setup: Setup) -> dict:
+    results = [peer(setup), ours(setup)]
+    compiled = compile_enabled(setup.compile, torch.device(setup.device))
+    model_only = model_bench.measure(setup.arch, model_bench.OURS if compiled else
+                                     model_bench.OURS_EAGER, setup.batch_size,
+                                     setup.image_size, setup.device, setup.steps, setup.warmup)
+    for result in results:
+        result["ratio_to_peer"] = result["images_per_s"] / results[0]["images_per_s"]
+        result["share_of_model_only"] = result["images_per_s"] / model_only["images_per_s"]
+    return {"what": "end to end", "setup": asdict(setup), "results": results,
+            "model_only": model_only, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def format_report(report: dict) -> str:
+    s = report["setup"]
+    lines = [f"end to end: {s['arch']}, batch {s['batch_size']}, {s['image_size']} px, "
+             f"{s['dataset']}, {s['workers']} loader processes, {s['device']}",
+             f"{'run':<34}{'images/s':>10}{'vs peer':>9}{'of model':>10}{'cores':>7}"
+             f"{'peak GB':>9}"]
+    for r in report["results"]:
+        peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
+        lines.append(f"{r['label']:<34}{r['images_per_s']:>10.1f}{r['ratio_to_peer']:>9.2f}"
+                     f"{r['share_of_model_only']:>9.0%}{r['cpu_cores']:>7.1f}{peak:>9}")
+    lines.append(f"model only, our settings: {report['model_only']['images_per_s']:.1f} img/s")
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""CPU time of this process and every process below it (loader workers, DALI's readers), from
+/proc: how many cores an input pipeline really costs, children that are still running
+included (getrusage counts only those that ended)."""
+
+from __future__ import annotations
+
+import os
+
+from app.parallel.watch import descendants
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of `pid` (default: this process) and its descendants."""
+    pid = pid or os.getpid()
+    total = 0
+    for process in (pid, *descendants(pid)):
+        try:
+            with open(f"/proc/{process}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (after the name)
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or no /proc
+            continue
+    return total / TICKS
