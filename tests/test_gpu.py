@@ -153,3 +153,34 @@ def test_checkpoints_hold_the_workers_own_cuda_generator():
     # a checkpoint of an earlier version (one state per GPU of an 8-GPU machine) still loads
     checkpoint.set_rng_states({**states, "cuda": [states["cuda"]] * 8}, "cuda:0")
     assert torch.equal(torch.rand(4, device="cuda:0"), expected)
+
+
+@pytest.mark.gpu
+def test_dali_on_the_gpu_gives_pillows_batches(tiny_sample):
+    """The mixed decoder (hardware JPEG engine, CUDA for the rest) against Pillow: the same
+    images, labels and crops; pixels within the tolerance the CPU test states, doubled for the
+    GPU decoder's IDCT and chroma upsampling."""
+    pytest.importorskip("nvidia.dali")
+    from app.data.augment import TrainRecipe
+    from app.data.decoders import build_pipeline
+    from app.data.pipeline import InputFormat, PipelineSpec
+    from app.data.sampler import ShardedBatches
+    from app.storage import DatasetRoot
+    from app.tables import load_tables
+    root = DatasetRoot("tiny", str(tiny_sample))
+    frame = load_tables(root).train
+    form = InputFormat(torch.device("cuda:0"), torch.float32, channels_last=True)
+    spec = PipelineSpec(root, frame, TrainRecipe(32), ShardedBatches(len(frame), 32, seed=2), 2,
+                        form)
+    out = {}
+    for decoder in ("pillow", "dali"):
+        pipeline = build_pipeline(decoder, spec)
+        out[decoder] = list(pipeline.epoch(1, start_step=2))
+        pipeline.close()
+    std = torch.tensor([0.229, 0.224, 0.225], device="cuda:0").view(1, 3, 1, 1) * 255
+    assert len(out["dali"]) == len(out["pillow"]) == 8
+    for a, b in zip(out["pillow"], out["dali"]):
+        assert b.images.is_cuda and b.images.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(a.labels, b.labels)
+        pixels = ((a.images - b.images) * std).abs()
+        assert pixels.mean() <= 2.0 and pixels.mean(dim=(1, 2, 3)).max() <= 6.0
