@@ -14,6 +14,8 @@ So rank 0 opens a new, empty store for each round and publishes its address thro
 torchrun hands over; the other ranks connect to the address they find there. An address left
 by an earlier round cannot be taken for this one's: torchrun stops every process of a round
 before the next rendezvous completes, so a connection to it is refused, and they read again.
+Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a launcher that only sets
+the variables) rank 0 serves the handed-over store itself, new with every round: used as is.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def round_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     timeout = timedelta(seconds=timeout_s)
     # torch's own env:// rendezvous: a client of the agent's store, or rank 0 serving one.
     handed_over, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return handed_over  # rank 0 serves it: as new as this round's processes
     host = os.environ["MASTER_ADDR"]  # rank 0's machine (torchrun puts global rank 0 there)
     if rank == 0:
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
