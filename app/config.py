@@ -151,11 +151,16 @@ class RunConfig:
     output_dir: str = param("runs", "folder that holds the run folders")
     resume: str = param("", "checkpoint to resume from, or `auto` = last.pt of this run")
     evaluate: bool = param(False, "only evaluate the model (from --resume) on the val set", "-e")
+    # A failure costs the steps since the newest checkpoint: at most this long (or an epoch).
     checkpoint_interval: float = param(
-        0.0, "also save a checkpoint every this many minutes (mid-epoch; 0 = epoch ends only)",
+        30.0, "also save a checkpoint every this many minutes (mid-epoch; 0 = epoch ends only)",
         check=at_least(0))
     keep_checkpoints: int = param(3, "keep the newest N step-*.pt checkpoints (last.pt and "
                                   "best.pt are names of kept files)", check=at_least(1))
+    max_restarts: int = param(
+        0, "after a worker or the parameter server dies, stop every process and start them "
+        "again from the newest checkpoint, at most this many times (under torchrun: use "
+        "torchrun --max-restarts)", check=at_least(0))
     stop_timeout: float = param(
         120.0, "after SIGTERM/SIGINT, wait this many seconds for the checkpoint before killing "
         "the workers (a second signal kills at once)", check=at_least(0))

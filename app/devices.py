@@ -78,6 +78,7 @@ class TorchrunEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1  # the workers on this machine (they share its CPU cores)
 
     @classmethod
     def from_environ(cls, environ) -> "TorchrunEnv | None":
@@ -85,7 +86,8 @@ class TorchrunEnv:
             return None
         try:
             return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]),
-                       int(environ.get("LOCAL_RANK", "0")))
+                       int(environ.get("LOCAL_RANK", "0")),
+                       int(environ.get("LOCAL_WORLD_SIZE", "1")))
         except ValueError:
-            raise UserError("RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers "
-                            "(set by torchrun)") from None
+            raise UserError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be whole "
+                            "numbers (set by torchrun)") from None

@@ -11,6 +11,7 @@ import string
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from app import skipped
 from app.catalog import Catalog
@@ -23,6 +24,9 @@ from app.interrupts import PREEMPTED_EXIT_CODE
 from app.job import TrainJob
 from app.tables import load_tables
 
+if TYPE_CHECKING:
+    from app.parallel.restarts import Restart
+
 log = logging.getLogger("imagenet_dp")
 DEFAULT_IMAGE_SIZE = 224
 
@@ -33,13 +37,16 @@ def main(argv: list[str]) -> int:
     if torchrun and not config.run.name:
         raise UserError("under torchrun pass --run-name: every process must agree on the run "
                         "folder")
+    if torchrun and config.run.max_restarts:
+        raise UserError("under torchrun, torchrun restarts the processes: give it "
+                        "--max-restarts (before bin/driver.py) and give the driver --resume "
+                        "auto instead of run.max_restarts")
     job = prepare_job(config)
     # torch and timm take seconds to import: only now, so mistakes above are reported at once.
     from app import preflight  # noqa: PLC0415
     from app.devices import worker_devices  # noqa: PLC0415
-    from app.parallel.launcher import Stopping, launch  # noqa: PLC0415
     from app.parallel.plans import choose_sync  # noqa: PLC0415
-    from app.worker import torchrun_process, train_process  # noqa: PLC0415
+    from app.worker import torchrun_process  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, torchrun)
@@ -48,11 +55,57 @@ def main(argv: list[str]) -> int:
     if torchrun:
         code = torchrun_process(job, torchrun, torchrun_device(devices, torchrun))
     else:
-        stopping = Stopping(config.run.checkpoint_interval, config.run.stop_timeout)
-        code = launch(train_process, job, devices, mode, parallel, stopping)
+        code = run_group(job, devices, mode)
     if code == PREEMPTED_EXIT_CODE and not (torchrun and torchrun.rank):
         print(resume_hint(job), file=sys.stderr)
     return code
+
+
+def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
+    """The driver's worker processes; with --max-restarts N started again, after a failure,
+    from this run's newest checkpoint (app/parallel/restarts.py)."""
+    from app.parallel.launcher import Stopping, launch  # noqa: PLC0415
+    from app.parallel.restarts import run_with_restarts  # noqa: PLC0415
+    from app.worker import train_process  # noqa: PLC0415
+    run = job.config.run
+    stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
+
+    def start(on_failure: Callable[[str], None]) -> int:
+        return launch(train_process, job, devices, mode, job.config.parallel, stopping,
+                      on_failure, replaceable=run.max_restarts > 0)
+
+    def prepare(restart: Restart) -> str:
+        nonlocal job
+        job = resumed_from_newest(job)
+        return record_restart(job, restart)
+
+    return run_with_restarts(start, run.max_restarts, prepare)
+
+
+def resumed_from_newest(job: TrainJob) -> TrainJob:
+    """The job continuing from this run's last.pt (unchanged while the run has none yet)."""
+    last = job.checkpoint_dir / "last.pt"
+    if not last.is_file():
+        return job
+    config = job.config
+    return dataclasses.replace(job, resume_from=str(last), config=dataclasses.replace(
+        config, run=dataclasses.replace(config.run, resume=str(last))))
+
+
+def record_restart(job: TrainJob, restart: Restart) -> str:
+    """The restart as a record in metrics.jsonl (`"event": "restart"`, at the step the group
+    continues from); returns where that is, in words."""
+    from app import checkpoint  # noqa: PLC0415
+    from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
+    state = checkpoint.load(job.resume_from, mmap=True) if job.resume_from else {"step": 0}
+    metrics = JsonlLogger(Path(job.run_dir) / "metrics.jsonl")
+    metrics.log_metrics(state["step"], {
+        "event": "restart", "restart": restart.number, "max_restarts": restart.limit,
+        "cause": restart.cause, "resume_from": job.resume_from, "backoff_s": restart.backoff_s})
+    metrics.finish()
+    if not job.resume_from:
+        return "from the start (no checkpoint yet)"
+    return f"from {job.resume_from} {position(state)}"
 
 
 def resume_hint(job: TrainJob) -> str:
@@ -62,8 +115,13 @@ def resume_hint(job: TrainJob) -> str:
     state = checkpoint.load(last, mmap=True)
     command = shlex.join(["python", *sys.argv, "--resume", "auto", "--run-name",
                           job.config.run.name])
-    return (f"saved {last} after step {state['step']} ({state['epoch_step']} steps into epoch "
-            f"{state['epoch'] + 1}); to continue: {command}")
+    return f"saved {last} {position(state)}; to continue: {command}"
+
+
+def position(state: dict) -> str:
+    """Where a checkpoint stands, in words."""
+    return (f"after step {state['step']} ({state['epoch_step']} steps into epoch "
+            f"{state['epoch'] + 1})")
 
 
 def torchrun_device(devices: list[str], torchrun: TorchrunEnv) -> str:

@@ -4,14 +4,18 @@ torchrun starts it directly."""
 
 from __future__ import annotations
 
+import sys
+
 from app.devices import TorchrunEnv, WorkerEnv, use_device
 from app.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
 from app.job import TrainJob
 from app.loggers import NullLogger, build_loggers
 from app.parallel.plans import SyncPlan, torchrun_plan
+from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
 from app.train import Stopped, train_worker
 
 
+@peer_loss_as_sync_failure()
 def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
     """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
     use_device(env.device, cpu_workers)
@@ -34,6 +38,12 @@ def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
 
 
 def torchrun_process(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
-    """Under torchrun this process is one worker; torchrun watches the processes."""
+    """Under torchrun this process is one worker; torchrun watches the processes (and with
+    --max-restarts starts them all again when one fails)."""
     env = WorkerEnv(rank=torchrun.rank, world_size=torchrun.world_size, device=device)
-    return train_process(job, env, torchrun_plan(device, job.config.parallel))
+    try:
+        return train_process(job, env, torchrun_plan(device, job.config.parallel),
+                             cpu_workers=torchrun.local_world_size)
+    except SyncFailure as failure:  # torchrun names the rank that died; this one only lost it
+        print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
+        return 1

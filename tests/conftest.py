@@ -71,6 +71,27 @@ def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = N
                           env={**os.environ, **(env or {})})
 
 
+def worker_pids(stderr_text: str) -> dict[str, int]:
+    """{"worker 1 (cpu)": pid, ...} from the driver's "started ..." line."""
+    line = next(l for l in stderr_text.splitlines() if "started" in l)
+    parts = line.split(": ", 2)[2].split(", ")
+    return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
+
+
+def read_line_with(process, text: str) -> str:
+    """The driver's stderr up to the first line containing `text` (or its end)."""
+    lines = []
+    while True:
+        line = process.stderr.readline()
+        lines.append(line)
+        if text in line or not line:
+            return "".join(lines)
+
+
+def read_started_line(process) -> str:
+    return read_line_with(process, "started")
+
+
 def skipped_rows(run_dir: Path) -> list[dict]:
     """runs/<run>/skipped.tsv as rows keyed by its header (epoch, split, path, reason)."""
     with open(run_dir / "skipped.tsv", newline="") as handle:

@@ -46,11 +46,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     files = sorted(APP.rglob("*.py"))
     modules = {module_name(p) for p in files}
-    graph = {module_name(p): imports_of(p, modules) for p in files}
-    # A package importing its own submodules (app.loggers -> app.loggers.console) is how a
-    # package offers them; the submodule importing the package back is not a cycle through
-    # any other module.
-    return {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in graph.items()}
+    return {module_name(p): imports_of(p, modules) for p in files}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

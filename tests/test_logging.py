@@ -137,6 +137,18 @@ def test_load_metrics_keeps_the_latest_records_after_a_resume(tmp_path):
         load_metrics(path)
 
 
+def test_load_metrics_passes_over_restart_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 10, "epoch": 1, "val/top1": 0.5}, {"step": 12, "train/loss": 2.0},
+             {"step": 10, "event": "restart", "restart": 1, "cause": "worker 1 was killed"},
+             {"step": 11, "train/loss": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    frame = load_metrics(path)
+    # The epoch's record at the step the run went on from stays: a restart is no rewind.
+    assert frame["step"].tolist() == [10, 11] and "event" not in frame
+    assert frame["val/top1"].tolist()[0] == 0.5
+
+
 def test_redact_masks_secret_names_and_url_credentials():
     config = {"data": {"url": "s3://AKIA1:hunter2@bucket/x?X-Amz-Signature=abc#f",
                        "aws_secret_access_key": "hunter2", "wandb_api_key": "k", "name": "ok"},

@@ -17,7 +17,8 @@ from app.interrupts import PREEMPTED_EXIT_CODE
 from app.parallel.allreduce import free_port
 from app.parallel.watch import is_alive
 from app.run import main
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+from conftest import (REPO, TINY_TRAIN_FLAGS, read_line_with, read_started_line,
+                      run_driver, worker_pids)
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 # float64, GroupNorm (independent of the batch split), no augmentation randomness differences:
@@ -119,26 +120,6 @@ def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -
     raise AssertionError("training did not start in time")
 
 
-def worker_pids(stderr_text: str) -> dict[str, int]:
-    line = next(l for l in stderr_text.splitlines() if "started" in l)
-    parts = line.split(": ", 2)[2].split(", ")
-    return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
-
-
-def read_line_with(process, text: str) -> str:
-    """The driver's stderr up to the first line containing `text` (or its end)."""
-    lines = []
-    while True:
-        line = process.stderr.readline()
-        lines.append(line)
-        if text in line or not line:
-            return "".join(lines)
-
-
-def read_started_line(process) -> str:
-    return read_line_with(process, "started")
-
-
 @pytest.mark.parametrize("sync, victim", [("ps", "worker 1 (cpu)"),
                                           ("ps", "parameter server (cpu)"),
                                           ("allreduce", "worker 1 (cpu)")])
@@ -157,6 +138,30 @@ def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, vi
     assert f"error: {victim} was killed by SIGKILL" in stderr
     time.sleep(0.5)
     assert processes_with(marker) == []  # no orphans: workers, server, loader workers
+
+
+def test_a_worker_killed_at_every_start_ends_the_run_after_max_restarts(tmp_path):
+    """As when the out-of-memory killer takes the worker each time: no restart gets anywhere,
+    and after the last one the driver gives up, saying so."""
+    process, marker = start_driver(tmp_path, "--sync", "ps", "--max-restarts", "2")
+    stderr = ""
+    for _ in range(3):  # the first start and two restarts
+        stderr += read_started_line(process)
+        os.kill(worker_pids(stderr.splitlines()[-1])["worker 1 (cpu)"], signal.SIGKILL)
+    code = process.wait(timeout=60)
+    stderr += process.stderr.read()
+    assert code == 1
+    assert stderr.count("error: worker 1 (cpu) was killed by SIGKILL") == 3
+    assert "restart 2 of 2 in 2 s, from the start (no checkpoint yet)" in stderr
+    assert stderr.strip().splitlines()[-1] == ("error: gave up after 2 restart(s) "
+                                               "(--max-restarts 2): the group failed 3 times")
+    rows = [json.loads(line) for line in
+            (tmp_path / "runs" / "long" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["restart"], r["backoff_s"]) for r in rows] == [
+        ("restart", 1, 1.0), ("restart", 2, 2.0)]
+    assert all(r["cause"].startswith("worker 1 (cpu) was killed by SIGKILL") for r in rows)
+    time.sleep(0.5)
+    assert processes_with(marker) == []
 
 
 def test_ctrl_c_to_the_driver_saves_then_stops_every_process(tmp_path):
@@ -202,10 +207,11 @@ def test_a_user_error_in_a_worker_is_reported_as_one(tmp_path):
              str(tmp_path / "runs")]
     assert run_cli(main, flags) == 0  # in this process: a checkpoint of test_resnet, quickly
     result = run_driver(*flags, "-a", "resnet18", "--resume", "auto", "--epochs", "2",
-                        "--devices", "cpu,cpu", cwd=tmp_path)
+                        "--devices", "cpu,cpu", "--max-restarts", "2", cwd=tmp_path)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: worker ") and "does not fit this model" in last
+    assert "restart" not in result.stderr  # it would fail the same way again
 
 
 def test_gpus_without_a_gpu_suggests_cpu_devices(tmp_path):

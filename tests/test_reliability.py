@@ -1,5 +1,6 @@
-"""Nothing lost: exact mid-epoch resume after SIGTERM, periodic checkpoints, a kill during a
-checkpoint write, bad images listed and bounded."""
+"""Nothing lost: exact mid-epoch resume after SIGTERM, periodic checkpoints, restarts after a
+killed worker (the driver's --max-restarts and torchrun's), a kill during a checkpoint write,
+bad images listed and bounded."""
 
 import json
 import os
@@ -12,16 +13,25 @@ import pytest
 import torch
 
 from app import checkpoint
+from app.data.sampler import ShardedBatches
 from app.interrupts import PREEMPTED_EXIT_CODE
-from conftest import REPO, run_driver, skipped_rows
+from app.parallel.allreduce import free_port
+from app.parallel.watch import descendants
+from app.storage import DatasetRoot
+from app.tables import load_tables
+from conftest import REPO, read_line_with, read_started_line, run_driver, skipped_rows, worker_pids
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 # Deterministic on CPU; BatchNorm on purpose: each replica's running statistics must survive.
 # 5 classes: 160 train images, global batch 8: 20 steps per epoch.
 EXACT = ("-a", "test_resnet", "--classes", "5", "--image-size", "32", "-j", "0", "--lr", "0.2",
          "--warmup-epochs", "0.5", "--epochs", "2", "-p", "1")
-SPLITS = {"1 worker": ("-b", "8"), "2 workers ps": ("-b", "4", "--devices", "cpu,cpu",
-                                                     "--sync", "ps")}
+SPLITS = {"1 worker": ("-b", "8"),
+          "2 workers ps": ("-b", "4", "--devices", "cpu,cpu", "--sync", "ps"),
+          "2 workers allreduce": ("-b", "4", "--devices", "cpu,cpu", "--sync", "allreduce")}
+# One machine, two ranks, restarted once: what a user types, with a free port for the store.
+TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--rdzv-backend", "c10d")
 
 
 def last(run_dir):
@@ -33,53 +43,165 @@ def metric_rows(run_dir):
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
-def stop_with_sigterm_after(cwd, args, step: int):
-    """Start the driver, send SIGTERM once step `step` has been logged; returns its result."""
-    process = subprocess.Popen([sys.executable, str(REPO / "bin" / "driver.py"), *args],
-                               cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
-    run_dir = cwd / "runs" / "cut"
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """straight(split): the last checkpoint of an uninterrupted run of that split, run once
+    per module when first asked for: what every interrupted run must end with."""
+    cwd = tmp_path_factory.mktemp("straight")
+    ends = {}
+
+    def end_of(split: str) -> dict:
+        if split not in ends:
+            name = split.replace(" ", "-")
+            result = run_driver(*CATALOG, *EXACT, *SPLITS[split], "--run-name", name, cwd=cwd)
+            assert result.returncode == 0, result.stderr
+            ends[split] = last(cwd / "runs" / name)
+        return ends[split]
+    return end_of
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 40)
+    for key in a["model"]:  # weights and BatchNorm statistics
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+
+
+def start_until_step(cwd, command: list[str], step: int) -> subprocess.Popen:
+    """Start `command` (the driver, or torchrun around it) for run "cut"; return once it has
+    logged step `step`."""
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not any(r["step"] >= step for r in metric_rows(run_dir)):
+    while not any(r["step"] >= step for r in metric_rows(cwd / "runs" / "cut")):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.05)
+    return process
+
+
+def driver(*args: str) -> list[str]:
+    return [sys.executable, str(REPO / "bin" / "driver.py"), *args]
+
+
+def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
+    """The driver with `args` (run "cut"), sent SIGTERM once step `step` is logged: its exit
+    code and stderr."""
+    process = start_until_step(cwd, driver(*args), step)
     process.send_signal(signal.SIGTERM)
-    code = process.wait(timeout=60)
-    return code, process.stderr.read()
+    return process.wait(timeout=60), process.stderr.read()
 
 
-@pytest.mark.parametrize("split", SPLITS)
-def test_sigterm_mid_epoch_then_resume_ends_bit_identical(tmp_path, split):
-    flags = (*CATALOG, *EXACT, *SPLITS[split])
-    straight = run_driver(*flags, "--run-name", "straight", cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr
-
-    code, stderr = stop_with_sigterm_after(tmp_path, (*flags, "--run-name", "cut"), step=5)
+@pytest.mark.parametrize("split", ["1 worker", "2 workers ps"])
+def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, split):
+    flags = (*CATALOG, *EXACT, *SPLITS[split], "--run-name", "cut")
+    code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
     assert code == PREEMPTED_EXIT_CODE, stderr
     assert "to continue: python" in stderr and "--resume auto --run-name cut" in stderr
     cut = last(tmp_path / "runs" / "cut")
     assert 0 < cut["epoch_step"] < 20 and cut["epoch"] < 2  # stopped inside an epoch
     assert len(cut["replicas"]) == (2 if "--devices" in SPLITS[split] else 1)
 
-    resumed = run_driver(*flags, "--run-name", "cut", "--resume", "auto", cwd=tmp_path)
+    resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    a, b = last(tmp_path / "runs" / "straight"), last(tmp_path / "runs" / "cut")
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 40)
-    for key in a["model"]:  # weights and BatchNorm statistics
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for key, state in a["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    assert_bit_identical(straight(split), last(tmp_path / "runs" / "cut"))
     # The interrupted epoch's metrics count every image once, across the stop.
     interrupted = [r for r in metric_rows(tmp_path / "runs" / "cut")
                    if "val/top1" in r and r["epoch"] == cut["epoch"] + 1]
     assert interrupted[-1]["train/images"] == 160
 
 
-def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path):
-    result = run_driver(*CATALOG, *EXACT, "-b", "4", "--devices", "cpu,cpu", "--epochs", "1",
-                        "--checkpoint-interval", "0.005", "--keep-checkpoints", "2",
-                        "--run-name", "timed", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+# Killed in epoch 2, once step 23 is logged: the group starts again from the checkpoint of
+# step 20 and repeats steps 21-23.
+@pytest.mark.parametrize("split, victim", [("2 workers ps", "worker 0 (cpu)"),
+                                           ("2 workers allreduce", "worker 1 (cpu)")])
+def test_max_restarts_replaces_a_killed_worker_and_the_run_ends_bit_identical(
+        straight, tmp_path, split, victim):
+    flags = (*CATALOG, *EXACT, *SPLITS[split], "--max-restarts", "1", "--run-name", "cut")
+    process = start_until_step(tmp_path, driver(*flags), step=23)
+    os.kill(worker_pids(read_started_line(process))[victim], signal.SIGKILL)
+    code, stderr = process.wait(timeout=120), process.stderr.read()
+    assert code == 0, stderr
+    assert f"error: {victim} was killed by SIGKILL" in stderr
+    assert ("restart 1 of 1 in 1 s, from runs/cut/checkpoints/last.pt after step 20 (0 steps "
+            "into epoch 2)") in stderr
+    run_dir = tmp_path / "runs" / "cut"
+    (restart,) = [r for r in metric_rows(run_dir) if r.get("event") == "restart"]
+    assert restart["step"] == 20 and restart["cause"].startswith(f"{victim} was killed")
+    assert_bit_identical(straight(split), last(run_dir))
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The process torchrun started for `rank` (RANK is in its environment)."""
+    for pid in descendants(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if f"RANK={rank}".encode() in handle.read().split(b"\0"):
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no process of rank {rank} below torchrun")
+
+
+def test_torchrun_max_restarts_replaces_a_killed_rank_and_the_run_ends_bit_identical(
+        straight, tmp_path):
+    command = [sys.executable, *TORCHRUN, "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               str(REPO / "bin" / "driver.py"), *CATALOG, *EXACT, "-b", "4", "--device", "cpu",
+               "--run-name", "cut", "--resume", "auto"]
+    process = start_until_step(tmp_path, command, step=23)
+    os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
+    code, stderr = process.wait(timeout=180), process.stderr.read()
+    assert code == 0, stderr[-3000:]
+    # The rank that lost its peer says so in one line; no process printed a traceback.
+    assert stderr.count("error: rank 0: lost a peer: ") == 1 and "Traceback" not in stderr
+    run_dir = tmp_path / "runs" / "cut"
+    steps = [r["step"] for r in metric_rows(run_dir) if "train/loss" in r]
+    assert steps.count(21) == 2 and steps[-1] == 40  # the new round went on from step 20
+    assert_bit_identical(straight("2 workers allreduce"), last(run_dir))
+
+
+def image_read_at(root, step: int, batch: int, workers: int):
+    """The train image of the tiny sample's 5 classes that a worker reads for `step` of the
+    first epoch (data order is a function of the seed, 0, and the epoch)."""
+    train = load_tables(DatasetRoot("copy", str(root)), 5).train
+    order = ShardedBatches(len(train), batch, world_size=workers).order()
+    return root / train["path"].iloc[order[step * batch * workers]]
+
+
+def wait_releasing(fifo, process, timeout: float = 120) -> int:
+    """Until the driver exits, let go any worker that waits on the FIFO: opening its writing
+    end ends the wait, the read fails (a FIFO cannot seek), and the reader's retry finds the
+    image back in place. Returns the driver's exit code."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None:
+        assert time.monotonic() < deadline, "the driver did not finish"
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # ENXIO: nobody waits
+            pass
+        time.sleep(0.05)
+    return process.returncode
+
+
+def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny_copy,
+                                                                  catalog_for):
+    # The read of one image of step 6 hangs (as on a hung network filesystem: its path leads
+    # to a FIFO) until the driver's timer has asked for a checkpoint, so the save lands
+    # mid-epoch however fast the steps are.
+    stalled = image_read_at(tiny_copy, step=5, batch=4, workers=2)
+    image, fifo = stalled.rename(tmp_path / "image.JPEG"), tmp_path / "stall"
+    os.mkfifo(fifo)
+    stalled.symlink_to(fifo)
+    process = subprocess.Popen(driver(
+        "--catalog", str(catalog_for(tiny_copy)), *EXACT, "-b", "4", "--devices", "cpu,cpu",
+        "--epochs", "1", "--checkpoint-interval", "0.005", "--keep-checkpoints", "2",
+        "--run-name", "timed"), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    asked = read_line_with(process, "--checkpoint-interval")
+    assert "saving a checkpoint after step" in asked, asked
+    assert int(asked.split()[-1]) <= 6  # no worker can finish step 6 before the read ends
+    image.replace(stalled)
+    assert wait_releasing(fifo, process) == 0, process.stderr.read()
     folder = tmp_path / "runs" / "timed" / "checkpoints"
     kept = sorted(folder.glob("step-*.pt"))
     assert len(kept) == 2 and kept[-1].name == "step-000000020.pt"

@@ -3,65 +3,21 @@
 Metric records are flat dicts. Keys used by the loop: `epoch`; per print interval `train/loss`,
 `train/lr`, `train/images_per_sec`, `progress/epoch_step(s)`, `progress/epoch_time_s`; per
 epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `train/skipped`.
-Only the primary process (rank 0) builds loggers; the others get a NullLogger.
+Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol
+and the fan-out live in app/loggers/base.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
+
+from app.loggers.base import Logger, Loggers, NullLogger
 
 if TYPE_CHECKING:
     from app.job import TrainJob
 
-
-class Logger(Protocol):
-    def log_config(self, config: dict[str, Any]) -> None: ...
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
-    def log_artifact(self, path: str | Path, name: str, kind: str,
-                     aliases: tuple[str, ...] = ()) -> None: ...
-    def finish(self) -> None: ...
-
-
-class NullLogger:
-    """For workers that are not the primary, and the base of backends that ignore some calls."""
-
-    def log_config(self, config: dict[str, Any]) -> None:
-        pass
-
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        pass
-
-    def log_artifact(self, path: str | Path, name: str, kind: str,
-                     aliases: tuple[str, ...] = ()) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class Loggers(NullLogger):
-    """Fan-out to several backends."""
-
-    def __init__(self, backends: list[Logger]):
-        self.backends = backends
-
-    def log_config(self, config: dict[str, Any]) -> None:
-        for backend in self.backends:
-            backend.log_config(config)
-
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        for backend in self.backends:
-            backend.log_metrics(step, metrics)
-
-    def log_artifact(self, path: str | Path, name: str, kind: str,
-                     aliases: tuple[str, ...] = ()) -> None:
-        for backend in self.backends:
-            backend.log_artifact(path, name, kind, aliases)
-
-    def finish(self) -> None:
-        for backend in self.backends:
-            backend.finish()
+__all__ = ["LOGGERS", "Logger", "Loggers", "NullLogger", "build_loggers"]
 
 
 def _console(job: TrainJob) -> Logger:

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.loggers import NullLogger
+from app.loggers.base import NullLogger
 
 
 class ConsoleLogger(NullLogger):

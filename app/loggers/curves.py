@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.loggers import NullLogger
+from app.loggers.base import NullLogger
 from app.plots import draw_curves, load_metrics
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.loggers import NullLogger
+from app.loggers.base import NullLogger
 
 
 class JsonlLogger(NullLogger):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.errors import UserError, first_line
-from app.loggers import NullLogger
+from app.loggers.base import NullLogger
 from app.loggers.redact import redact
 
 if TYPE_CHECKING:

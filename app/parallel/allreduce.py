@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.devices import WorkerEnv
 from app.parallel import compare_checksums, float_buffers, weights_checksum
+from app.parallel.rounds import round_store
 
 
 def backend_for(devices: list[str]) -> str:
@@ -46,10 +47,15 @@ def no_forward_buffer_sync() -> dict[str, bool]:
 
 
 def init_distributed(env: WorkerEnv, backend: str, init_method: str, timeout_s: float) -> None:
+    """init_method: the driver's tcp:// address, or env:// under torchrun, where the process
+    group gets a store of this rendezvous round's own (app/parallel/rounds.py)."""
     if env.device.startswith("cuda"):
         torch.cuda.set_device(env.device)
-    dist.init_process_group(backend, init_method=init_method, rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    options: dict[str, Any] = {"init_method": init_method}
+    if init_method == "env://":
+        options = {"store": round_store(env.rank, env.world_size, timeout_s)}
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s), **options)
 
 
 class AllReduceSync:

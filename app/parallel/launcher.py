@@ -71,14 +71,21 @@ class Stopping:
     stop_timeout: float = 0.0
 
 
+def print_failure(cause: str) -> None:
+    print(f"error: {cause}; stopped the other processes", file=sys.stderr)
+
+
 def launch(target: Callable, job: Any, devices: list[str], mode: str,
-           config: ParallelConfig, stopping: Stopping = Stopping()) -> int:
+           config: ParallelConfig, stopping: Stopping = Stopping(),
+           on_failure: Callable[[str], None] = print_failure, replaceable: bool = False) -> int:
     """Run `target(job, env, plan, cpu_workers)` once per device (`mode` from
-    app/parallel/plans.py SYNC_MODES): in this process for an in-process mode, else in spawned
-    processes, plus the helpers the mode needs (the parameter server). Returns the exit code:
-    0, PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's."""
+    app/parallel/plans.py SYNC_MODES): in this process for an in-process mode (unless the
+    caller may have to replace the worker: `replaceable`), else in spawned processes, plus
+    the helpers the mode needs (the parameter server). Returns the exit code: 0,
+    PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's, whose cause
+    (which process, how it ended) goes to `on_failure` as one line."""
     sync_mode = SYNC_MODES[mode]
-    if sync_mode.in_process:
+    if sync_mode.in_process and not replaceable:
         plan = sync_mode.setup(None, devices, config, None).plan
         return target(job, WorkerEnv(rank=0, world_size=1, device=devices[0]), plan, 1) or 0
     # After a failure the queues of killed processes are cleaned up by multiprocessing's
@@ -101,7 +108,7 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     for child in children:
         child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    return supervise(children, reports, requests, stopping)
+    return supervise(children, reports, requests, stopping, on_failure)
 
 
 class StopSignals:
@@ -142,7 +149,7 @@ class StopSignals:
 
 
 def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
-              stopping: Stopping) -> int:
+              stopping: Stopping, on_failure: Callable[[str], None] = print_failure) -> int:
     """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
     the workers to save and stop at the next step, and wait for that up to stop_timeout; a
     second signal (or the timeout) stops them at once."""
@@ -173,12 +180,18 @@ def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
                       if c.process.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
             if failed:
                 stop_all(children)
-                return report_failure(failed, drain(reports))
+                code, cause = describe_failure(failed, drain(reports))
+                on_failure(cause)
+                # Stopped on request all the same: not a failure to retry.
+                return 128 + signals.received if signals.received else code
             if not running:
                 codes = {c.process.exitcode for c in children}
                 return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else 0
             if deadline is None and interval.due():
-                requests.ask(stop=False)
+                step = requests.ask(stop=False)
+                if step is not None:
+                    log.info("--checkpoint-interval %g min: saving a checkpoint after step %d",
+                             stopping.checkpoint_interval, step)
     finally:
         signals.restore()
 
@@ -195,9 +208,10 @@ def drain(reports: Queue) -> dict[str, tuple[str, str]]:
     return found
 
 
-def report_failure(failed: list[Child], reports: dict[str, tuple[str, str]]) -> int:
-    """Name the root cause: a process that was killed, crashed or hit a user error comes
-    before those that only noticed a peer was gone."""
+def describe_failure(failed: list[Child], reports: dict[str, tuple[str, str]]
+                     ) -> tuple[int, str]:
+    """(exit code, cause). The cause is the root one: a process that was killed, crashed or
+    hit a user error comes before those that only noticed a peer was gone."""
     def only_noticed(child: Child) -> bool:
         return reports.get(child.name, ("", ""))[1] == "sync"
     child = sorted(failed, key=only_noticed)[0]
@@ -211,8 +225,7 @@ def report_failure(failed: list[Child], reports: dict[str, tuple[str, str]]) -> 
         cause = f"failed: {message}"
     else:
         cause = f"exited with code {code}"
-    print(f"error: {child.name} {cause}; stopped the other processes", file=sys.stderr)
-    return USER_ERROR_EXIT_CODE if kind == "user" else 1
+    return (USER_ERROR_EXIT_CODE if kind == "user" else 1), f"{child.name} {cause}"
 
 
 def stop_all(children: list[Child]) -> None:

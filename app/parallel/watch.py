@@ -6,12 +6,17 @@ the checks degrade to os.kill(pid, 0).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
+import re
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
+
+from app.errors import first_line
 
 POLL_S = 0.5  # how often a blocked wait looks at its peers
 PR_SET_PDEATHSIG = 1
@@ -19,6 +24,32 @@ PR_SET_PDEATHSIG = 1
 
 class SyncFailure(RuntimeError):
     """A peer died, stopped answering, or replicas diverged; the message is one line."""
+
+
+@contextlib.contextmanager
+def peer_loss_as_sync_failure() -> Iterator[None]:
+    """torch.distributed reports a peer that died or stopped answering as an exception from
+    wherever the process happened to wait (DDP's backward, a gather, init_process_group):
+    gloo as a RuntimeError from its transport ("Read error ...: Connection reset by peer",
+    "Timed out waiting ..."), NCCL and the stores as a DistError. Turned into one line here;
+    any other exception keeps its traceback. Also a decorator."""
+    try:
+        yield
+    except SyncFailure:
+        raise
+    except RuntimeError as error:
+        if not lost_a_peer(error):
+            raise
+        # The transport's source location says nothing to a user; its advice neither.
+        detail = re.sub(r"\[[^\]]*:\d+\]\s*", "", first_line(error, 300))
+        detail = detail.split(". This is typically")[0]
+        raise SyncFailure(f"lost a peer: {detail} (another process died or stopped "
+                          "answering)") from None
+
+
+def lost_a_peer(error: RuntimeError) -> bool:
+    import torch.distributed as dist  # noqa: PLC0415 (the driver never needs it)
+    return isinstance(error, dist.DistError) or "gloo/transport" in str(error)
 
 
 def die_with_parent() -> None:

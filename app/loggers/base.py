@@ -1,0 +1,58 @@
+"""The logging protocol every backend follows, the logger that ignores everything (workers that
+are not the primary, and the base of backends that ignore some calls) and the fan-out to
+several backends. Backends import this module, never the package, so the package can import
+them without a cycle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Logger(Protocol):
+    def log_config(self, config: dict[str, Any]) -> None: ...
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NullLogger:
+    """For workers that are not the primary, and the base of backends that ignore some calls."""
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class Loggers(NullLogger):
+    """Fan-out to several backends."""
+
+    def __init__(self, backends: list[Logger]):
+        self.backends = backends
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        for backend in self.backends:
+            backend.log_config(config)
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        for backend in self.backends:
+            backend.log_metrics(step, metrics)
+
+    def log_artifact(self, path: str | Path, name: str, kind: str,
+                     aliases: tuple[str, ...] = ()) -> None:
+        for backend in self.backends:
+            backend.log_artifact(path, name, kind, aliases)
+
+    def finish(self) -> None:
+        for backend in self.backends:
+            backend.finish()

@@ -1,0 +1,78 @@
+"""--max-restarts N on one machine: after a failure, start the whole group again, up to N times.
+
+What torchrun's elastic agent does for its workers, for the processes the driver starts: when a
+worker or the parameter server dies, the supervisor has already stopped every other process
+(app/parallel/launcher.py); this loop waits a moment and starts the group again, which then
+continues from the run's newest checkpoint (the caller's `prepare` finds it each time).
+Only failures are retried: a user error (exit 2: bad config, too many bad images, a checkpoint
+that does not fit) would fail the same way again, and a stop on request (exit 75, or 128+signal)
+is what the user asked for.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Callable
+
+from app.parallel.launcher import StopSignals, print_failure
+
+FAILED_EXIT_CODE = 1  # the supervisor's code for a process that died or crashed
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class Restart:
+    number: int  # 1 for the first restart
+    limit: int  # --max-restarts
+    cause: str  # which process failed and how: "worker 1 (cpu) was killed by SIGKILL ..."
+    backoff_s: float  # the wait before the group starts again
+
+
+def backoff_s(number: int) -> float:
+    """1, 2, 4, ... seconds: time for a port or a device to be released, short next to the
+    minutes of work a restart repeats."""
+    return min(2.0 ** (number - 1), MAX_BACKOFF_S)
+
+
+def run_with_restarts(start: Callable[[Callable[[str], None]], int], max_restarts: int,
+                      prepare: Callable[[Restart], str]) -> int:
+    """`start(on_failure)` runs the group once and returns its exit code; it tells
+    `on_failure` the cause of a failure. Before each restart, `prepare(restart)` gets the next
+    start ready (the newest checkpoint), records the restart and says where the group will
+    continue from; that goes on the console as one line."""
+    causes: list[str] = []
+
+    def on_failure(cause: str) -> None:
+        print_failure(cause)
+        causes.append(cause)
+
+    code = start(on_failure)
+    for number in range(1, max_restarts + 1):
+        if code != FAILED_EXIT_CODE:
+            return code
+        restart = Restart(number, max_restarts, causes[-1], backoff_s(number))
+        print(f"restart {number} of {max_restarts} in {restart.backoff_s:g} s, "
+              f"{prepare(restart)}", file=sys.stderr)
+        signum = wait_unless_stopped(restart.backoff_s)
+        if signum:
+            print(f"stopped by {signal.Signals(signum).name} before restart {number}",
+                  file=sys.stderr)
+            return 128 + signum
+        code = start(on_failure)
+    if code == FAILED_EXIT_CODE and max_restarts:
+        print(f"error: gave up after {max_restarts} restart(s) (--max-restarts "
+              f"{max_restarts}): the group failed {max_restarts + 1} times", file=sys.stderr)
+    return code
+
+
+def wait_unless_stopped(seconds: float) -> int | None:
+    """Sleep, unless SIGINT/SIGTERM comes first: then the signal's number."""
+    signals = StopSignals()
+    try:
+        connection.wait([signals.wakeup], timeout=seconds)
+        return signals.received
+    finally:
+        signals.restore()
