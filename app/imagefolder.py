@@ -69,8 +69,9 @@ def _images(root: DatasetRoot, split: str, notes: list[str]) -> tuple[pd.DataFra
     listed = pd.Series(folders + files, dtype=str)
     unsafe = listed[~listed.str.fullmatch(SAFE_PATH)]
     if len(unsafe):
-        raise UserError(f"{root.describe(split)}: listed name {unsafe.iloc[0][:80]!r} would "
-                        "escape the dataset root; rename or remove it")
+        raise UserError(f"{root.describe(split)}: listed name {unsafe.iloc[0][:80]!r} is not a "
+                        "plain path inside the dataset root ('.', '..', empty parts or control "
+                        "characters); rename or remove it")
     parts = pd.Series(files, dtype=str).str.split("/")
     hidden = parts.map(lambda p: any(part.startswith(".") for part in p[1:]))
     image = (parts.str.len() >= 3) & ~hidden & parts.str[-1].str.lower().str.endswith(

@@ -28,10 +28,10 @@ READERS = ("obstore", "s3fs")
 # obstore retries 5xx answers, throttling, dropped connections and timeouts itself, with
 # exponential backoff and jitter. Few retries each with short waits: the reader's own attempts
 # (app/data/reader.py) sit on top, and a permanently failing object must cost its batch only
-# a few seconds before it is skipped (3 attempts x 3 requests, about 1.5 s of waiting).
+# a few seconds before it is skipped (3 attempts x 3 requests: at most 3.6 s of waiting).
 OBJECT_STORE_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=3),
                       "backoff": {"init_backoff": timedelta(milliseconds=100),
-                                  "max_backoff": timedelta(seconds=1), "base": 2}}
+                                  "max_backoff": timedelta(milliseconds=500), "base": 2}}
 OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no request waits forever
 
 
@@ -133,8 +133,7 @@ def _open_filesystem(url: str, options: dict[str, Any], store_options: dict[str,
     if store in ("gcs", "azure"):
         from obstore.fsspec import FsspecStore  # noqa: PLC0415
         settings = _store_settings(scheme_of(url), store_options)
-        fs = FsspecStore(scheme_of(url), **settings)
-        return fs, fs._strip_protocol(url).rstrip("/")
+        return FsspecStore(scheme_of(url), **settings), url.split("://", 1)[1].rstrip("/")
     # s3fs takes its retry count as an attribute, not as a constructor argument.
     arguments = {k: v for k, v in options.items() if k != "retries"}
     try:

@@ -118,8 +118,9 @@ def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
                              if not p.rsplit("/", 1)[-1].startswith(".")), dtype=str)
     unsafe = paths[~paths.str.fullmatch(SAFE_PATH)]
     if len(unsafe):
-        raise UserError(f"{root.describe(TRAIN_DIR)}: listed object {unsafe.iloc[0][:80]!r} "
-                        "would escape the dataset root; remove it")
+        raise UserError(f"{root.describe(TRAIN_DIR)}: listed name {unsafe.iloc[0][:80]!r} is "
+                        "not a plain path inside the dataset root ('.', '..', empty parts or "
+                        "control characters); rename or remove it")
     parts = paths.str.split("/")
     frame = pd.DataFrame({"wnid": parts.str[-2], "path": paths, "line": 0})
     return _finish(_label_rows(frame, root, TRAIN_DIR, class_index(root, classes)), root,
