@@ -2,7 +2,7 @@
 """Benchmarks. Every figure comes with a baseline measured in the same run.
 
     python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu        # gradient sync modes
-    python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8
+    python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8   # s3fs vs obstore
 """
 
 import argparse
@@ -36,6 +36,8 @@ def main(argv: list[str]) -> int:
     loader.add_argument("-j", "--workers", type=int, default=4)
     loader.add_argument("--image-size", type=int, default=224)
     loader.add_argument("--batches", type=int, default=20)
+    loader.add_argument("--readers", default="s3fs,obstore",
+                        help="readers to compare on object-store datasets, the baseline first")
     loader.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     # torch-heavy modules load after parsing, so --help and mistakes answer at once
@@ -46,7 +48,7 @@ def main(argv: list[str]) -> int:
     else:
         from app.bench import loader as bench  # noqa: PLC0415
         report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
-                           args.workers, args.batches)
+                           args.workers, args.batches, tuple(args.readers.split(",")))
     print(bench.format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
