@@ -39,6 +39,11 @@ class ObjectStoreReads:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_pool": None, "_pending": {}}
 
+    def __del__(self) -> None:
+        # GETs announced but not started would otherwise still run before the process exits.
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def read(self, paths: list[str], upcoming: list[str] = ()) -> dict[str, Outcome]:
         """Outcomes of `paths` (relative to the root); `upcoming` are fetched meanwhile."""
         wanted = set(paths) | set(upcoming)
