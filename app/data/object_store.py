@@ -46,12 +46,16 @@ class ObjectStoreReads:
 
     def read(self, paths: list[str], upcoming: list[str] = ()) -> dict[str, Outcome]:
         """Outcomes of `paths` (relative to the root); `upcoming` are fetched meanwhile."""
+        if self._pool is None:
+            # The client first, here, once: not by every pool thread at its first GET.
+            self.root.store  # noqa: B018
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="object-store")
         wanted = set(paths) | set(upcoming)
         for path in [p for p in self._pending if p not in wanted]:
             self._pending.pop(path).cancel()  # no longer announced: free its slot and bytes
         for path in [*paths, *upcoming]:  # the pool's queue is first in, first out
             if path not in self._pending:
-                self._pending[path] = self._start(path)
+                self._pending[path] = self._pool.submit(self._get, path)
         futures = {path: self._pending.pop(path) for path in dict.fromkeys(paths)}
         _, late = wait(futures.values(), timeout=WAIT_LIMIT_S)
         for future in late:
@@ -59,11 +63,6 @@ class ObjectStoreReads:
         return {path: future.result() if future.done() and not future.cancelled()
                 else (None, f"no answer within {WAIT_LIMIT_S:.0f} s")
                 for path, future in futures.items()}
-
-    def _start(self, path: str) -> Future:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="object-store")
-        return self._pool.submit(self._get, path)
 
     def _get(self, path: str) -> Outcome:
         import obstore  # noqa: PLC0415 (loads in the reading process only)
