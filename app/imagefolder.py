@@ -14,8 +14,8 @@ from __future__ import annotations
 import pandas as pd
 
 from app.errors import UserError
-from app.labels import (SAFE_ID, SYNSET_MAPPING, Classes, ClassIndex, Tables, finish,
-                        SAFE_PATH, parse_synset_mapping, select_classes)
+from app.labels import (SAFE_ID, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex, Tables,
+                        finish, parse_synset_mapping, select_classes)
 from app.storage import DatasetRoot
 
 TRAIN_FOLDER = "train"

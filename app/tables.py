@@ -15,8 +15,8 @@ import pandas as pd
 
 from app import imagefolder
 from app.errors import UserError
-from app.labels import (SAFE_ID, SAFE_NAME, SYNSET_MAPPING, Classes, ClassIndex, Tables,
-                        finish, SAFE_PATH, parse_synset_mapping, select_classes)
+from app.labels import (SAFE_ID, SAFE_NAME, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex,
+                        Tables, finish, parse_synset_mapping, select_classes)
 from app.storage import DatasetRoot
 
 # The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge),
