@@ -1,8 +1,9 @@
 """datasets.toml -> DatasetRoot: a named dataset opened as a root folder over an fsspec filesystem.
 
-Any fsspec URL works (a local path, file://, s3://, memory://, ...). Entries either point at an
-existing Kaggle-layout ImageNet (`url`) or name a sample preset (`sample`) that is generated
-into a cache folder on first use.
+Any fsspec URL works (a local path, file://, s3://, gs://, az://, memory://, ...). Entries either
+point at an existing ImageNet (`url`) or name a sample preset (`sample`) that is generated into a
+cache folder on first use; `layout` says how its labels are found (Kaggle's tables or one folder
+per class), `reader` who reads the images of an object store (obstore, or s3fs).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Callable
 
 from app import sample
 from app.errors import UserError, first_line
-from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
+from app.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
+                         DatasetRoot, scheme_of)
 from app.tomlfile import read_toml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "url": str, "url_env": str, "sample": str, "seed": int, "image_size": int,
     "region": str, "profile": str, "endpoint_url": str, "anon": bool,
-    "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int,
+    "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int, "layout": str,
+    "reader": str,
+}
+# What to check when an object store cannot be reached, by store.
+CREDENTIAL_HINTS = {
+    "s3": "the credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...), `region` and `endpoint_url`",
+    "gcs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default "
+           "login) and `endpoint_url`",
+    "azure": "the account and credentials (AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY"
+             ", managed identity) and `endpoint_url`",
 }
 
 
@@ -67,22 +78,25 @@ class Catalog:
                             f"{', '.join(self.entries)}")
         entry = self.entries[name]
         if "sample" in entry:
+            layout = entry.get("layout", "kaggle")
             folder = sample.ensure(entry.get("cache_dir") or sample.default_cache_dir(),
-                                   entry["sample"], entry.get("seed", 0), report)
+                                   entry["sample"], entry.get("seed", 0), report, layout)
             size = entry.get("image_size", sample.PRESETS[entry["sample"]].image_size)
-            return DatasetRoot(name, str(folder), {}, size)
+            return DatasetRoot(name, str(folder), {}, size, layout=layout)
         url = self._url(name, entry)
         root = DatasetRoot(name, url, _storage_options(url, entry), entry.get("image_size", 0),
-                           _reader_options(entry))
+                           _reader_options(entry), entry.get("layout", "kaggle"),
+                           _store_options(url, entry))
         try:
             found = root.exists()
+            if found and root.reader == "obstore":
+                root.store  # noqa: B018 (its configuration and credentials are checked here)
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 (botocore/aiohttp errors: say what to check)
+            hint = CREDENTIAL_HINTS.get(OBJECT_STORE_SCHEMES.get(scheme_of(url), ""), "the URL")
             raise UserError(f"dataset '{name}': cannot reach {url} "
-                            f"({first_line(error, with_type=True)}); check the credentials "
-                            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...), `region` and `endpoint_url`"
-                            ) from None
+                            f"({first_line(error, with_type=True)}); check {hint}") from None
         if not found:
             hint = (f"set {entry['url_env']} or " if entry.get("url_env") else "") + \
                 f"edit `url` of [datasets.{name}] in {self.path}"
@@ -113,6 +127,22 @@ def _check_entry(path: Path, name: str, entry: Any) -> None:
     if "sample" in entry and entry["sample"] not in sample.PRESETS:
         raise UserError(f"{where}: unknown sample preset '{entry['sample']}'; known: "
                         f"{', '.join(sample.PRESETS)}")
+    if entry.get("layout", "kaggle") not in LAYOUTS:
+        raise UserError(f"{where}: unknown layout '{entry['layout']}'; known: "
+                        f"{', '.join(LAYOUTS)}")
+    if "reader" in entry:
+        _check_reader(where, entry)
+
+
+def _check_reader(where: str, entry: dict[str, Any]) -> None:
+    reader, scheme = entry["reader"], scheme_of(entry.get("url", ""))
+    if reader not in READERS:
+        raise UserError(f"{where}: unknown reader '{reader}'; known: {', '.join(READERS)}")
+    store = OBJECT_STORE_SCHEMES.get(scheme)
+    if store is None or (reader == "s3fs" and store != "s3"):
+        readable = "s3:// URLs" if reader == "s3fs" else "s3://, gs:// and az:// URLs"
+        raise UserError(f"{where}: reader = \"{reader}\" reads only {readable}; remove "
+                        "`reader` for this url")
 
 
 def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -143,5 +173,15 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry's settings for obstore's client (app/storage.py maps them): no credentials
+    here either."""
+    if scheme_of(url) not in OBJECT_STORE_SCHEMES:
+        return {}
+    return {key: entry[key] for key in ("endpoint_url", "region", "profile", "anon")
+            if key in entry}
+
+
 def _reader_options(entry: dict[str, Any]) -> dict[str, Any]:
-    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency") if key in entry}
+    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader")
+            if key in entry}

@@ -1,4 +1,5 @@
-"""Generator of the sample dataset: an ImageNet-format dataset in the Kaggle layout.
+"""Generator of the sample dataset: an ImageNet-format dataset in the Kaggle layout, or the same
+images in the ImageFolder layout (train/<wnid>/, val/<wnid>/ and the synset mapping).
 
 Same seed, same bytes. Each class is a coloured grating (hue and angle depend on the class;
 angles stay in [0, 90) so a horizontal flip never turns one class into another) with one or two
@@ -27,6 +28,8 @@ import numpy as np
 from PIL import Image
 
 from app.errors import UserError
+from app.imagefolder import TRAIN_FOLDER, VAL_FOLDER
+from app.storage import LAYOUTS
 from app.tables import (SYNSET_MAPPING, TRAIN_CLS, TRAIN_DIR, TRAIN_SOLUTION, VAL_DIR,
                         VAL_SOLUTION)
 
@@ -155,10 +158,15 @@ def _prediction_string(wnid: str, boxes: list[tuple[int, int, int, int]]) -> str
     return "".join(f"{wnid} {x0} {y0} {x1} {y1} " for x0, y0, x1, y1 in boxes)
 
 
-def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: int = 0) -> Path:
-    """Write the sample dataset to `out_dir` (which must not exist yet)."""
+def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: int = 0,
+             layout: str = "kaggle") -> Path:
+    """Write the sample dataset to `out_dir` (which must not exist yet). Both layouts hold the
+    same images (same bytes, same labels); only their paths and tables differ."""
     if preset not in PRESETS:
         raise UserError(f"unknown sample preset '{preset}'; known: {', '.join(PRESETS)}")
+    if layout not in LAYOUTS:
+        raise UserError(f"unknown layout '{layout}'; known: {', '.join(LAYOUTS)}")
+    kaggle = layout == "kaggle"
     spec = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True)
@@ -167,24 +175,30 @@ def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: 
     (out / SYNSET_MAPPING).write_text("".join(f"{w} {d}\n" for w, d in classes))
 
     train_jobs, train_ids = [], []
+    train_dir = out / (TRAIN_DIR if kaggle else TRAIN_FOLDER)
     for label, (wnid, _) in enumerate(classes):
-        (out / TRAIN_DIR / wnid).mkdir(parents=True)
+        (train_dir / wnid).mkdir(parents=True)
         numbers = np.sort(rng.choice(np.arange(1, 50000), spec.train_per_class, replace=False))
         for i, number in enumerate(numbers):
             image_id = f"{wnid}_{number}"
             quirk = {0: "cmyk", 1: "png", 2: "gray"}.get(label, "") if i == 0 else ""
             train_ids.append((wnid, image_id))
-            train_jobs.append(ImageJob(str(out / TRAIN_DIR / wnid / f"{image_id}.JPEG"), label,
+            train_jobs.append(ImageJob(str(train_dir / wnid / f"{image_id}.JPEG"), label,
                                        (seed, 1, label, i), spec.classes, spec, quirk))
 
     val_count = spec.val_per_class * spec.classes
     val_labels = rng.permutation(np.repeat(np.arange(spec.classes), spec.val_per_class))
-    (out / VAL_DIR).mkdir(parents=True)
-    val_jobs = [ImageJob(str(out / VAL_DIR / f"ILSVRC2012_val_{n + 1:08d}.JPEG"), int(label),
+    # The ImageFolder layout has val re-foldered by class, as users' copies usually are.
+    val_dirs = [out / VAL_DIR if kaggle else out / VAL_FOLDER / wnid for wnid, _ in classes]
+    for folder in set(val_dirs):
+        folder.mkdir(parents=True)
+    val_jobs = [ImageJob(str(val_dirs[label] / f"ILSVRC2012_val_{n + 1:08d}.JPEG"), int(label),
                          (seed, 2, n), spec.classes, spec, "gray" if n == 3 else "")
                 for n, label in enumerate(val_labels)]
 
     all_boxes = _run_jobs(train_jobs + val_jobs, workers)
+    if not kaggle:
+        return out
     train_boxes, val_boxes = all_boxes[:len(train_jobs)], all_boxes[len(train_jobs):]
 
     # Like the real CSV: only the "boxed" part of train, in no particular order; the quirky
@@ -216,12 +230,13 @@ def _run_jobs(jobs: list[ImageJob], workers: int) -> list:
 
 
 def ensure(cache_dir: str | Path, preset: str, seed: int,
-           report: Callable[[str], None] | None = None) -> Path:
+           report: Callable[[str], None] | None = None, layout: str = "kaggle") -> Path:
     """The sample's folder in the cache, generated once (and told to `report`). Generation
     goes to a temporary folder that is renamed into place, so an interrupted run never leaves
     half a dataset."""
     cache = Path(cache_dir).expanduser()
-    target = cache / f"sample-{preset}-seed{seed}-v{FORMAT_VERSION}"
+    named = preset if layout == "kaggle" else f"{preset}-{layout}"
+    target = cache / f"sample-{named}-seed{seed}-v{FORMAT_VERSION}"
     if target.is_dir():
         return target
     try:
@@ -230,10 +245,11 @@ def ensure(cache_dir: str | Path, preset: str, seed: int,
         raise UserError(f"cannot create the sample cache folder {cache}: {error.strerror}; "
                         "set IMAGENET_DP_CACHE to a writable folder") from None
     if report:
-        report(f"generating the '{preset}' sample dataset into {target} (first use only)")
+        report(f"generating the '{preset}' sample dataset ({layout} layout) into {target} "
+               "(first use only)")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
     try:
-        generate(staging / "data", preset, seed)
+        generate(staging / "data", preset, seed, layout=layout)
         try:
             os.rename(staging / "data", target)
         except OSError:

@@ -1,64 +1,43 @@
-"""Kaggle ImageNet tables -> labelled frames of (path relative to the root, label).
+"""Dataset tables -> labelled frames of (path relative to the root, label), for the dataset's
+layout: Kaggle's tables here, one folder per class in app/imagefolder.py.
 
-Labels follow the order of LOC_synset_mapping.txt (restricted to the selected classes), which
-is the order every ImageNet model's class index uses. Every path is checked to stay inside the
-dataset root before anything is read.
+Kaggle layout: labels follow the order of LOC_synset_mapping.txt (restricted to the selected
+classes), which is the order every ImageNet model's class index uses. Every path is checked to
+stay inside the dataset root before anything is read.
 """
 
 from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass
 
 import pandas as pd
 
+from app import imagefolder
 from app.errors import UserError
+from app.labels import (SAFE_ID, SAFE_NAME, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex,
+                        Tables, finish, parse_synset_mapping, select_classes)
 from app.storage import DatasetRoot
 
-# The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge).
+# The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge),
+# with LOC_synset_mapping.txt (app/labels.py) beside the CSVs.
 TRAIN_DIR = "ILSVRC/Data/CLS-LOC/train"
 VAL_DIR = "ILSVRC/Data/CLS-LOC/val"
 TRAIN_CLS = "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"
-SYNSET_MAPPING = "LOC_synset_mapping.txt"
 TRAIN_SOLUTION = "LOC_train_solution.csv"
 VAL_SOLUTION = "LOC_val_solution.csv"
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
-# File names in the tables: letters, digits, '_', '-', '.'; never '..', '/' or a scheme.
-SAFE_NAME = r"(?!\.\.?$)[A-Za-z0-9_.\-]+"
-SAFE_ID = re.compile(rf"^{SAFE_NAME}$")
 SAFE_CLS_ENTRY = re.compile(rf"^{SAFE_NAME}/{SAFE_NAME}$")
 IMAGE_SUFFIX = ".JPEG"
 SOLUTION_COLUMNS = ["ImageId", "PredictionString"]
 
 
-@dataclass(frozen=True)
-class Tables:
-    """What training needs from a dataset: the two labelled frames and the class names."""
-    train: pd.DataFrame
-    val: pd.DataFrame
-    wnids: list[str]
-    descriptions: list[str]
-    notes: tuple[str, ...] = ()  # warnings worth showing the user; the caller decides how
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.wnids)
-
-
-@dataclass(frozen=True)
-class ClassIndex:
-    """The synset mapping and the selected classes; label = position in `wnids`."""
-    known: frozenset[str]
-    wnids: list[str]
-    descriptions: list[str]
-
-
-Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index built already
-
-
 def load_tables(root: DatasetRoot, classes: Classes = 0, train_index: str = "cls") -> Tables:
+    """The labelled train and val frames of the dataset, whatever its layout (`train_index`
+    chooses the Kaggle layout's train list; one folder per class is always listed)."""
+    if root.layout == "imagefolder":
+        return imagefolder.load_tables(root, classes)
     index = class_index(root, classes)
     notes = []
     if train_index == "csv":
@@ -78,50 +57,14 @@ def class_index(root: DatasetRoot, classes: Classes = 0) -> ClassIndex:
     if isinstance(classes, ClassIndex):
         return classes
     mapping = synset_mapping(root)
-    wnids = select_classes(mapping, classes, root)
+    wnids = select_classes(list(mapping.wnid), classes, root.describe(SYNSET_MAPPING))
     descriptions = dict(zip(mapping.wnid, mapping.description))
     return ClassIndex(frozenset(mapping.wnid), wnids, [descriptions[w] for w in wnids])
 
 
 def synset_mapping(root: DatasetRoot) -> pd.DataFrame:
     """Frame [wnid, description] in file order (= label order)."""
-    text = _read_table(root, SYNSET_MAPPING)
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        wnid, _, description = line.strip().partition(" ")
-        if not SAFE_ID.match(wnid):
-            raise UserError(f"{root.describe(SYNSET_MAPPING)} line {number}: expected "
-                            f"'<wnid> <description>', got {line[:60]!r}")
-        rows.append((wnid, description.strip()))
-    mapping = pd.DataFrame(rows, columns=["wnid", "description"])
-    duplicated = mapping.wnid[mapping.wnid.duplicated()]
-    if len(duplicated):
-        raise UserError(f"{root.describe(SYNSET_MAPPING)}: wnid {duplicated.iloc[0]} is listed "
-                        "twice; each class must appear once")
-    if mapping.empty:
-        raise UserError(f"{root.describe(SYNSET_MAPPING)}: no classes listed")
-    return mapping
-
-
-def select_classes(mapping: pd.DataFrame, classes: int | list[str], root: DatasetRoot
-                   ) -> list[str]:
-    """The selected wnids in mapping order: all (0), the first N, or a named list."""
-    known = list(mapping.wnid)
-    if isinstance(classes, int):
-        if classes > len(known):
-            raise UserError(f"classes = {classes}, but {root.describe(SYNSET_MAPPING)} lists "
-                            f"only {len(known)}; choose at most {len(known)}")
-        return known[:classes] if classes else known
-    if not classes:
-        raise UserError("classes is an empty list: it selects no classes; give wnids or a count")
-    unknown = [w for w in classes if w not in set(known)]
-    if unknown:
-        raise UserError(f"class {unknown[0]} is not in {root.describe(SYNSET_MAPPING)}; "
-                        "check the wnid")
-    chosen = set(classes)
-    return [w for w in known if w in chosen]
+    return parse_synset_mapping(_read_table(root, SYNSET_MAPPING), root.describe(SYNSET_MAPPING))
 
 
 def train_solutions(root: DatasetRoot, table: str = TRAIN_SOLUTION, classes: Classes = 0
@@ -173,6 +116,11 @@ def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
         raise UserError(f"dataset '{root.name}': folder {root.describe(TRAIN_DIR)} not found")
     paths = pd.Series(sorted(p for p in root.find(TRAIN_DIR)
                              if not p.rsplit("/", 1)[-1].startswith(".")), dtype=str)
+    unsafe = paths[~paths.str.fullmatch(SAFE_PATH)]
+    if len(unsafe):
+        raise UserError(f"{root.describe(TRAIN_DIR)}: listed name {unsafe.iloc[0][:80]!r} is "
+                        "not a plain path inside the dataset root ('.', '..', empty parts or "
+                        "control characters); rename or remove it")
     parts = paths.str.split("/")
     frame = pd.DataFrame({"wnid": parts.str[-2], "path": paths, "line": 0})
     return _finish(_label_rows(frame, root, TRAIN_DIR, class_index(root, classes)), root,
@@ -217,10 +165,7 @@ def _label_rows(frame: pd.DataFrame, root: DatasetRoot, table: str, index: Class
 
 
 def _finish(frame: pd.DataFrame, root: DatasetRoot, table: str) -> pd.DataFrame:
-    if frame.empty:
-        raise UserError(f"{root.describe(table)}: no images for the selected classes; "
-                        "check `classes` and the table")
-    return frame[["path", "label"]].reset_index(drop=True)
+    return finish(frame, root.describe(table))
 
 
 def _read_table(root: DatasetRoot, table: str, hint: str = "") -> str:

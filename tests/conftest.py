@@ -43,6 +43,12 @@ def tiny_sample(sample_cache) -> Path:
     return sample.ensure(sample_cache, "tiny", 0)
 
 
+@pytest.fixture(scope="session")
+def tiny_imagefolder(sample_cache) -> Path:
+    """The tiny sample's images in the ImageFolder layout (train/<wnid>/, val/<wnid>/)."""
+    return sample.ensure(sample_cache, "tiny", 0, layout="imagefolder")
+
+
 @pytest.fixture
 def tiny_copy(tiny_sample, tmp_path) -> Path:
     """A private copy of the tiny sample that a test may damage."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -56,12 +57,17 @@ class MotoServer:
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
                             aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
 
-    def upload(self, folder: Path, bucket: str, prefix: str) -> str:
+    def upload(self, folder: Path, bucket: str, prefix: str, only: list[str] | None = None,
+               acl: str = "private") -> str:
+        """`folder`'s files (or the `only` ones, relative to it) to s3://bucket/prefix;
+        acl="public-read" lets anonymous clients read them."""
         client = self.client()
-        client.create_bucket(Bucket=bucket)
-        for path in sorted(folder.rglob("*")):
+        client.create_bucket(Bucket=bucket, ACL=acl)
+        paths = [folder / p for p in only] if only else sorted(folder.rglob("*"))
+        for path in paths:
             if path.is_file():
-                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
+                client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}",
+                                   ExtraArgs={"ACL": acl})
         return f"s3://{bucket}/{prefix}"
 
     def stop(self) -> None:
@@ -76,7 +82,8 @@ class FaultyProxy:
     """An HTTP proxy on loopback, in its own process (so it takes no CPU time from the process
     under test): every request waits `latency_s`; a `fail_fraction` of them is answered
     503 SlowDown, a `drop_fraction` gets its connection closed without an answer, and keys
-    containing one of `always_fail` always get a 503."""
+    containing one of `always_fail` always get a 503. It counts requests, requests in flight,
+    the requests to `always_fail` keys, and who signed them (access key ids, or unsigned)."""
 
     def __init__(self, upstream: str, latency_s: float = 0.0, fail_fraction: float = 0.0,
                  drop_fraction: float = 0.0, always_fail: tuple[str, ...] = (), seed: int = 0):
@@ -103,12 +110,18 @@ class FaultyProxy:
 def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float,
                 drop_fraction: float, seed: int, always_fail: list[str]) -> None:
     chance = random.Random(seed)
-    counts = {"requests": 0, "failed": 0, "dropped": 0, "in_flight": 0, "most_in_flight": 0}
+    counts = {"requests": 0, "failed": 0, "dropped": 0, "in_flight": 0, "most_in_flight": 0,
+              "always_failed": 0, "unsigned": 0, "signed_by": {}}
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == COUNTS_PATH:
             return web.json_response(counts)
         counts["requests"] += 1
+        signer = re.search(r"Credential=([A-Z0-9]+)/", request.headers.get("Authorization", ""))
+        if signer:
+            counts["signed_by"][signer[1]] = counts["signed_by"].get(signer[1], 0) + 1
+        else:
+            counts["unsigned"] += 1
         counts["in_flight"] += 1
         counts["most_in_flight"] = max(counts["most_in_flight"], counts["in_flight"])
         try:
@@ -121,7 +134,9 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
         if latency_s:
             await asyncio.sleep(latency_s)
         roll = chance.random()
-        if any(key in request.path for key in always_fail) or roll < fail_fraction:
+        doomed = any(key in request.path for key in always_fail)
+        counts["always_failed"] += doomed
+        if doomed or roll < fail_fraction:
             counts["failed"] += 1
             return web.Response(status=503, content_type="application/xml", text=(
                 "<Error><Code>SlowDown</Code><Message>Please reduce your request rate."

@@ -3,8 +3,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from app.catalog import Catalog, _storage_options
-from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
+from app.catalog import Catalog, _storage_options, _store_options
+from app.storage import DEFAULT_CONCURRENCY, DatasetRoot, _store_settings
 from app.errors import UserError
 from app.tables import load_tables
 from conftest import REPO, write_catalog
@@ -121,3 +121,50 @@ def test_an_unreachable_root_whose_error_has_no_message(tmp_path, monkeypatch):
     catalog = Catalog.load(write_catalog(tmp_path / "c.toml", {"far": {"url": "memory://x"}}))
     with pytest.raises(UserError, match=r"cannot reach memory://x \(TimeoutError\); check"):
         catalog.open("far")
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"url": "s3://b/p", "reader": "boto"}, "unknown reader 'boto'; known: obstore, s3fs"),
+    ({"url": "/data/imagenet", "reader": "obstore"}, "reads only s3://, gs:// and az:// URLs"),
+    ({"url": "gs://b/p", "reader": "s3fs"}, 'reader = "s3fs" reads only s3:// URLs'),
+    ({"sample": "tiny", "reader": "s3fs"}, "reads only s3:// URLs"),
+])
+def test_bad_readers(tmp_path, entry, fragment):
+    with pytest.raises(UserError, match=fragment):
+        Catalog.load(write_catalog(tmp_path / "c.toml", {"bad": entry}))
+
+
+def test_object_store_settings_carry_no_credentials_and_bound_every_request():
+    entry = {"url": "s3://bucket/imagenet", "region": "eu-west-1", "profile": "research",
+             "endpoint_url": "http://127.0.0.1:9000", "anon": True, "concurrency": 8,
+             "cache_dir": "/cache"}
+    assert _store_options(entry["url"], entry) == {
+        "region": "eu-west-1", "profile": "research", "endpoint_url": "http://127.0.0.1:9000",
+        "anon": True}
+    assert _store_options("/data/imagenet", entry) == {}
+    settings = _store_settings("s3", _store_options(entry["url"], entry))
+    assert settings["config"] == {"skip_signature": True, "endpoint": "http://127.0.0.1:9000",
+                                  "region": "eu-west-1"}
+    assert "credential_provider" not in settings  # anonymous: nothing to sign with
+    assert settings["client_options"]["allow_http"] is True  # the endpoint is http://
+    assert settings["client_options"]["timeout"] and settings["client_options"]["connect_timeout"]
+    assert settings["retry_config"]["max_retries"] >= 1
+    assert _store_settings("gs", {"endpoint_url": "https://gcs.local"})["config"] == {
+        "base_url": "https://gcs.local"}
+    assert _store_settings("az", {"anon": True})["config"] == {"skip_signature": True}
+
+
+def test_gs_and_az_roots_read_and_list_through_obstore(monkeypatch):
+    """No gcsfs or adlfs needed: obstore's fsspec adapter lists, obstore's stores read, each
+    with its own credential chain (nothing is requested here)."""
+    from obstore.fsspec import FsspecStore
+    from obstore.store import AzureStore, GCSStore
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "imagenetdp")
+    gs = DatasetRoot("g", "gs://my-bucket/imagenet", store_options={"anon": True})
+    az = DatasetRoot("a", "az://container/imagenet", store_options={"anon": True})
+    assert isinstance(gs.store, GCSStore) and isinstance(az.store, AzureStore)
+    assert gs.store.prefix == az.store.prefix == "imagenet"
+    assert isinstance(gs.fs, FsspecStore) and gs.root == "my-bucket/imagenet"
+    assert gs.reader == az.reader == "obstore" and not gs.is_local
+    assert DatasetRoot("s", "s3://b/p", options={"reader": "s3fs"}).reader == "s3fs"
+    assert DatasetRoot("l", "/data/imagenet").reader == "fsspec"

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from app import sample, tables
 from app.storage import DatasetRoot
 from app.data.augment import EvalRecipe, TrainRecipe, center_crop_box, random_resized_crop_box
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
-from app.data.pillow_pipeline import build_loader
+from app.data.pillow_pipeline import BatchRequest, ReadAhead, build_loader
 from app.data.pipeline import InputFormat, Skipped
 from app.data.sampler import ShardedBatches
 from app.tables import train_cls_list
@@ -198,3 +199,32 @@ def test_an_exception_without_a_message_makes_a_bad_image_not_a_crash(monkeypatc
     monkeypatch.setattr(Image, "open", refuse)
     with pytest.raises(BadImage, match="not decodable: ValueError"):
         open_image(b"\xff\xd8 something")
+
+
+class RecordRequests(torch.utils.data.Dataset):
+    """Hands back what DataLoader asked this loader process for."""
+
+    def __len__(self) -> int:
+        return 103
+
+    def __getitems__(self, request: BatchRequest) -> list:
+        info = torch.utils.data.get_worker_info()
+        return [(info.id if info else 0, request)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_read_ahead_announces_what_the_same_loader_process_gets_next(workers):
+    """Real DataLoader processes: the batches are ShardedBatches' own, in order, and each one
+    announces exactly the rows of the next two batches that its process is then handed."""
+    batches = ShardedBatches(103, 10, seed=4)
+    batches.set_epoch(3, start_step=1)
+    loader = DataLoader(RecordRequests(), batch_sampler=ReadAhead(batches, workers),
+                        num_workers=workers, collate_fn=lambda items: items[0],
+                        multiprocessing_context="fork" if workers else None)
+    got = list(loader)
+    assert [request.items for _, request in got] == list(batches) and len(got) == 10
+    for process in range(max(workers, 1)):
+        mine = [request for worker, request in got if worker == process]
+        for k, request in enumerate(mine):
+            assert request.upcoming == [row for later in mine[k + 1:k + 3]
+                                        for row, _ in later.items]

@@ -10,14 +10,16 @@ import fsspec
 import pandas as pd
 import pytest
 import tomli_w
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from app.catalog import ENTRY_KEYS, Catalog
 from app.storage import DatasetRoot
 from app.config_sources import parse_config
 from app.errors import UserError
+from app.imagefolder import IMAGE_SUFFIXES
 from app.tables import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
-from app.tables import synset_mapping, train_cls_list, train_solutions, val_solutions
+from app.tables import (load_tables, synset_mapping, train_cls_list, train_solutions,
+                        val_solutions)
 
 EXAMPLES = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -63,13 +65,22 @@ def one_line_error(error: UserError, names: str) -> None:
     assert "\n" not in message and names in message, message
 
 
-def memory_root(files: dict[str, str]) -> DatasetRoot:
-    """A dataset root on fsspec's in-memory filesystem holding `files`."""
+def memory_root(files: dict[str, str], layout: str = "kaggle", folders: tuple[str, ...] = ()
+                ) -> DatasetRoot:
+    """A dataset root on fsspec's in-memory filesystem holding `files` (and empty `folders`)."""
     url = f"memory://hostile-{uuid.uuid4().hex}"
     fs = fsspec.filesystem("memory")
     for name, text in files.items():
-        fs.pipe_file(f"{url}/{name}", text.encode("utf-8", "surrogatepass"))
-    return DatasetRoot("hostile", url)
+        try:
+            fs.pipe_file(f"{url}/{name}", text.encode("utf-8", "surrogatepass"))
+        except (FileExistsError, NotADirectoryError):
+            continue  # a file where a folder is (or the reverse): this filesystem cannot hold it
+    for folder in folders:
+        try:
+            fs.makedirs(f"{url}/{folder}", exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            continue
+    return DatasetRoot("hostile", url, layout=layout)
 
 
 def assert_safe_table(frame: pd.DataFrame, classes: int) -> None:
@@ -138,6 +149,58 @@ def test_train_image_ids_must_name_their_folder(image_id):
         train_solutions(memory_root({SYNSET_MAPPING: MAPPING, TRAIN_SOLUTION: text}))
     one_line_error(error.value, f"{TRAIN_SOLUTION} line 2: ImageId {image_id!r} is not "
                                 "'<wnid>_<number>'")
+
+
+# ImageFolder trees: class folders and file names real and hostile (escapes, separators, hidden
+# files, files that are not images), and empty class folders.
+FOLDER_NAMES = st.one_of(st.sampled_from([*WNIDS, "..", ".", "", "../..", "n01440764/..",
+                                          "golden retriever", "é", ".hidden", "a\\b", "\x00",
+                                          "~", "s3:"]), st.text(max_size=8))
+GOOD_FILES = st.one_of(st.sampled_from(["x.JPEG", "y.jpg", "z.PNG", "e f.JPEG", "sub/d.JPEG",
+                                        "readme.txt", ".DS_Store", "._x.JPEG"]),
+                       GOOD_ID.map(lambda name: name + ".JPEG"))
+FILE_NAMES = st.one_of(GOOD_FILES, st.sampled_from(["..", ".", "", "../c.JPEG", "a/../../b.JPEG",
+                                                    "/abs.JPEG"]),
+                       st.text(max_size=8).map(lambda name: name + ".JPEG"))
+SPLITS = st.sampled_from(["train", "val"])
+# Mostly well-formed trees (whose left-out files must be counted), some with a hostile entry.
+GOOD_TREES = st.lists(st.tuples(SPLITS, st.sampled_from(WNIDS), GOOD_FILES), min_size=2,
+                      max_size=10)
+HOSTILE = st.lists(st.tuples(st.sampled_from(["train", "val", ""]), FOLDER_NAMES, FILE_NAMES),
+                   max_size=3)
+TREES = st.one_of(GOOD_TREES, st.tuples(GOOD_TREES, HOSTILE).map(lambda t: t[0] + t[1]))
+EMPTY_FOLDERS = st.one_of(st.just([]), st.lists(st.tuples(SPLITS, FOLDER_NAMES), max_size=2))
+SAFE_LISTED = re.compile(r"^(train|val)/[A-Za-z0-9_.\-]+(/(?!\.\.?/)[^/\\\x00-\x1f]+)+$")
+
+
+@EXAMPLES
+@given(TREES, EMPTY_FOLDERS, st.booleans())
+def test_imagefolder_trees_are_labelled_or_refused(tree, empty, with_mapping):
+    """Whatever the folders hold, the tables are safe or the error is one line naming the
+    dataset's folder; files that are not images never become rows, and every one left out is
+    counted."""
+    files = {f"{split}/{folder}/{name}".lstrip("/"): "bytes" for split, folder, name in tree}
+    if with_mapping:
+        files[SYNSET_MAPPING] = MAPPING
+    root = memory_root(files, "imagefolder", tuple(f"{s}/{f}" for s, f in empty))
+    try:
+        tables = load_tables(root)
+    except UserError as error:
+        one_line_error(error, root.url)
+        event(f"refused: {str(error).split(': ', 1)[-1][:30]}")
+        return
+    event("accepted")
+    listed = [p for p in root.find("train") + root.find("val")]
+    for frame in (tables.train, tables.val):
+        assert len(frame) > 0 and frame.label.between(0, tables.num_classes - 1).all()
+        assert frame.path.map(lambda p: bool(SAFE_LISTED.match(p))).all(), list(frame.path)
+        assert frame.path.str.lower().str.endswith(IMAGE_SUFFIXES).all()
+        assert not frame.path.str.contains("/.", regex=False).any()  # no hidden files
+        wnids = frame.path.str.split("/").str[1]
+        assert (wnids.map(tables.wnids.index) == frame.label).all()
+    left_out = sum(int(re.search(r"left out (\d+) files", note)[1]) for note in tables.notes)
+    assert len(tables.train) + len(tables.val) + left_out == len(listed)
+    assert tables.wnids == sorted(tables.wnids)
 
 
 # TOML values of every kind, nested: what a catalog or config file may contain.

@@ -100,3 +100,16 @@ def test_stale_checkpoint_temporaries_are_removed(tmp_path):
     assert stale.exists()
     preflight.check(job, saves=True)
     assert not stale.exists() and kept.exists()
+
+
+def test_imagefolder_datasets_are_checked_too(tmp_path, tiny_imagefolder, caplog):
+    """A file listed when the tables were built and gone by the time the run starts."""
+    copy = shutil.copytree(tiny_imagefolder, tmp_path / "folders")
+    catalog = write_catalog(tmp_path / "datasets.toml", {"data": {
+        "url": str(copy), "layout": "imagefolder"}})
+    job = job_for(tmp_path, "--catalog", str(catalog))
+    gone = job.tables.val.path[7]
+    (copy / gone).unlink()
+    with caplog.at_level(logging.WARNING, logger="imagenet_dp"):
+        preflight.check(job, saves=True)
+    assert f"1 of 420 listed images are missing (first: {copy}/{gone})" in caplog.text

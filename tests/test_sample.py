@@ -86,3 +86,17 @@ def test_bench_preset_makes_imagenet_sized_jpegs(tmp_path):
     assert 60_000 < np.mean(sizes) < 120_000
     assert all(330 <= w <= 500 and 330 <= h <= 500 for w, h in dims)
     assert spec.classes * spec.train_per_class >= 10_000
+
+
+def test_imagefolder_layout_holds_the_same_images(tiny_sample, tiny_imagefolder):
+    """Same bytes under each file name; val re-foldered by class; only the mapping as table."""
+    def images(digests):
+        return {name.rsplit("/", 1)[-1]: h for name, h in digests.items() if name.endswith(".JPEG")}
+    kaggle, folders = digest(tiny_sample), digest(tiny_imagefolder)
+    assert images(folders) == images(kaggle) and len(images(folders)) == 420
+    assert {n for n in folders if not n.endswith(".JPEG")} == {"LOC_synset_mapping.txt"}
+    val = pd.read_csv(tiny_sample / "LOC_val_solution.csv", dtype=str)
+    for image_id, boxes in zip(val.ImageId, val.PredictionString):
+        assert (tiny_imagefolder / "val" / boxes.split()[0] / f"{image_id}.JPEG").is_file()
+    assert all(n.split("/")[0] in ("train", "val") and n.count("/") == 2
+               for n in folders if n.endswith(".JPEG"))

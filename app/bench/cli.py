@@ -11,7 +11,7 @@ EXAMPLES = """examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
   python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
-  python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8
+  python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
 """
 
@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("-j", "--workers", type=int, default=4)
     loader.add_argument("--image-size", type=int, default=224)
     loader.add_argument("--batches", type=int, default=20)
+    loader.add_argument("--readers", default="s3fs,obstore",
+                        help="readers to compare on object-store datasets, the baseline first")
+    loader.add_argument("--decoders", default="pillow", help="input pipelines to compare, "
+                        "e.g. pillow,dali")
+    loader.add_argument("--device", default="cpu", help="where batches are delivered (cuda: "
+                        "DALI decodes on the GPU)")
+    loader.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
+                        "loader baseline")
     check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests and a "
                                 "throughput probe, one JSON report")
     check.add_argument("--quick", action="store_true", help="probe without torch.compile")
@@ -95,7 +103,8 @@ def main(argv: list[str]) -> int:
     elif args.command == "loader":
         from app.bench import loader as bench  # noqa: PLC0415
         report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
-                           args.workers, args.batches)
+                           args.workers, args.batches, tuple(args.readers.split(",")),
+                           tuple(args.decoders.split(",")), args.device, not args.no_peer)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,

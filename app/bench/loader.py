@@ -1,19 +1,37 @@
-"""Loader-only throughput: read + decode + augment, no model. Several datasets (e.g. the local
-copy and the S3 copy of the same data) in one run, as ratios to the first one."""
+"""Loader-only throughput: read + decode + augment, batches delivered on the device, no model.
+Several datasets (e.g. the local copy and the S3 copy of the same data) in one run, as ratios to
+the first one; an object-store dataset is measured once per reader (today's s3fs path first, as
+the baseline) and every dataset once per decoder (pillow, dali), side by side; the peer's loader
+(pytorch/examples, app/bench/peer.py) on the first dataset, with as many processes, is the
+baseline of them all.
+
+Per row: images/s through the input pipeline, the CPU cores it kept busy and the CPU it spent
+per image (all its processes and threads), and, for the reader alone (no decoding), GETs/s and
+client CPU per GET: the figure that says how many cores a given image rate costs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import os
 import time
+from typing import Iterator
 
 import torch
 
+from app.bench.peer import peer_batches
+from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
 from app.data.augment import TrainRecipe
 from app.data.decoders import build_pipeline
 from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
+from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.storage import DatasetRoot
 from app.tables import load_tables
+
+DEFAULT_READERS = ("s3fs", "obstore")  # the baseline first
 
 
 def batches_forever(pipeline: InputPipeline):
@@ -24,43 +42,119 @@ def batches_forever(pipeline: InputPipeline):
 
 
 def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, batches: int,
-            decoder: str = "pillow") -> dict:
+            decoder: str, device: torch.device) -> dict:
     frame = load_tables(root).train
     pipeline = build_pipeline(decoder, PipelineSpec(
         root, frame, TrainRecipe(image_size), ShardedBatches(len(frame), batch_size, seed=0),
-        workers, InputFormat(torch.device("cpu"))))
-    stream = batches_forever(pipeline)
-    next(stream)  # start-up (processes, connections) is not throughput
-    images = skipped = 0
-    started = time.perf_counter()
-    for _ in range(batches):
-        batch = next(stream)
-        images += len(batch)
-        skipped += len(batch.skipped)
-    elapsed = time.perf_counter() - started
-    stream.close()
-    pipeline.close()  # stop the loader processes before the next dataset starts its own
-    return {"dataset": root.name, "url": root.url, "images": images + skipped,
-            "skipped": skipped, "seconds": elapsed, "images_per_s": (images + skipped) / elapsed}
+        workers, InputFormat(device)))
+    try:
+        sizes = ((len(b), len(b.skipped)) for b in batches_forever(pipeline))
+        result = timed(sizes, batches, device)
+    finally:
+        pipeline.close()  # stop the loader processes before the next dataset starts its own
+    return {"dataset": root.name, "reader": root.reader, "decoder": decoder, "url": root.url,
+            **result, **reader_cost(root, frame, batch_size, batches)}
+
+
+def measure_peer(root: DatasetRoot, image_size: int, batch_size: int, workers: int,
+                 batches: int, device: torch.device) -> dict:
+    frame = load_tables(root).train
+    sizes = ((len(labels), 0) for _, labels in peer_batches(root, frame, image_size,
+                                                             batch_size, workers, device))
+    return {"dataset": root.name, "decoder": "pytorch/examples", "url": root.url,
+            **timed(sizes, batches, device)}
+
+
+def timed(sizes: Iterator[tuple[int, int]], batches: int, device: torch.device) -> dict:
+    """Images/s and CPU of `batches` batches, after one for start-up (processes, connections
+    and DALI's pipeline are not throughput); `sizes` yields (images, skipped) per batch."""
+    next(sizes)
+    read = 0
+    cpu, started = cpu_seconds(), time.perf_counter()
+    for images, skipped in itertools.islice(sizes, batches):
+        read += images + skipped
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return {"images": read, "seconds": elapsed, "images_per_s": read / elapsed,
+            "cpu_cores": cpu / elapsed, "cpu_ms_per_image": 1000 * cpu / read}
+
+
+def reader_cost(root: DatasetRoot, frame, batch_size: int, batches: int) -> dict:
+    """GETs/s and client CPU per GET of the reader alone, in this process: `batches` batches,
+    each announcing the next as the pipeline does; without the local cache, so every image is
+    a request, and in another epoch's order, so none was read before."""
+    uncached = dataclasses.replace(root, options={k: v for k, v in root.options.items()
+                                                  if k not in ("cache_dir", "cache_max_gb")})
+    reader = BlobReader(uncached)
+    order = ShardedBatches(len(frame), batch_size, seed=1)
+    warmup, *paths = [[frame.path[i] for i, _ in batch]
+                      for batch in itertools.islice(order, batches + 1)]
+    reader.read_many(warmup)  # connections and threads start here
+    cpu, started = cpu_seconds(), time.perf_counter()
+    count = 0
+    for current, upcoming in zip(paths, paths[1:] + [[]]):
+        count += len(reader.read_many(current, upcoming))
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return {"gets": count, "gets_per_s": count / elapsed, "cpu_ms_per_get": 1000 * cpu / count}
+
+
+def roots_to_measure(catalog: Catalog, names: list[str], readers: tuple[str, ...]
+                     ) -> list[DatasetRoot]:
+    """Each dataset once; an object-store dataset once per reader."""
+    roots = []
+    for name in names:
+        root = catalog.open(name)
+        if root.reader == "fsspec":
+            roots.append(root)
+            continue
+        usable = [r for r in readers if r == "obstore" or root.url.startswith(("s3://", "s3a://"))]
+        roots += [dataclasses.replace(root, options={**root.options, "reader": reader})
+                  for reader in usable]
+    return roots
 
 
 def run(catalog_path: str, datasets: list[str], image_size: int, batch_size: int, workers: int,
-        batches: int) -> dict:
+        batches: int, readers: tuple[str, ...] = DEFAULT_READERS,
+        decoders: tuple[str, ...] = ("pillow",), device: str = "cpu", peer: bool = True) -> dict:
     catalog = Catalog.load(catalog_path)
-    results = [measure(catalog.open(name), image_size, batch_size, workers, batches)
-               for name in datasets]
+    where = torch.device(device)
+    roots = roots_to_measure(catalog, datasets, readers)
+    results = [measure(root, image_size, batch_size, workers, batches, decoder, where)
+               for root in roots for decoder in decoders]
+    baseline = measure_peer(roots[0], image_size, batch_size, workers, batches, where) \
+        if peer else None
     for result in results:
         result["ratio_to_first"] = result["images_per_s"] / results[0]["images_per_s"]
+        if baseline:
+            result["ratio_to_peer"] = result["images_per_s"] / baseline["images_per_s"]
+        first = next((r for r in results if r["dataset"] == result["dataset"]), result)
+        result["cpu_per_get_vs_baseline"] = result["cpu_ms_per_get"] / first["cpu_ms_per_get"]
     return {"image_size": image_size, "batch_size": batch_size, "workers": workers,
-            "batches": batches, "results": results, "date": time.strftime("%Y-%m-%d")}
+            "batches": batches, "device": device, "cpu_count": os.cpu_count(),
+            "peer": baseline, "results": results, "date": time.strftime("%Y-%m-%d")}
 
 
 def format_report(report: dict) -> str:
-    lines = [f"loader only (read + decode + augment), batch {report['batch_size']}, "
-             f"{report['workers']} loader processes, {report['image_size']} px, "
-             f"{report['batches']} batches",
-             f"{'dataset':<20}{'images/s':>12}{'vs first':>10}  url"]
+    lines = [f"loader only (read + decode + augment, batches on {report['device']}), batch "
+             f"{report['batch_size']}, {report['workers']} loader processes, "
+             f"{report['image_size']} px, {report['batches']} batches; reader alone: client CPU "
+             "per GET, no cache",
+             f"{'dataset':<16}{'reader':<9}{'decoder':<18}{'images/s':>10}{'vs first':>9}"
+             f"{'cores':>6}{'CPU ms/img':>11}{'GETs/s':>9}{'CPU ms/GET':>11}{'vs base':>8}"]
+    peer = report["peer"]
+    if peer:
+        lines.append(f"{peer['dataset']:<16}{'-':<9}{peer['decoder']:<18}"
+                     f"{peer['images_per_s']:>10.1f}{'':>9}{peer['cpu_cores']:>6.1f}"
+                     f"{peer['cpu_ms_per_image']:>11.2f}")
     for r in report["results"]:
-        lines.append(f"{r['dataset']:<20}{r['images_per_s']:>12.1f}{r['ratio_to_first']:>10.2f}"
-                     f"  {r['url']}")
+        lines.append(f"{r['dataset']:<16}{r['reader']:<9}{r['decoder']:<18}"
+                     f"{r['images_per_s']:>10.1f}{r['ratio_to_first']:>9.2f}"
+                     f"{r['cpu_cores']:>6.1f}{r['cpu_ms_per_image']:>11.2f}"
+                     f"{r['gets_per_s']:>9.1f}{r['cpu_ms_per_get']:>11.2f}"
+                     f"{r['cpu_per_get_vs_baseline']:>8.2f}")
+    if peer:
+        lines.append("vs the pytorch/examples loader: " + ", ".join(
+            f"{r['dataset']}/{r['reader']}/{r['decoder']} {r['ratio_to_peer']:.2f}x"
+            for r in report["results"]))
     return "\n".join(lines)

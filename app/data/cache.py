@@ -35,6 +35,9 @@ class DiskCache:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
+    def has(self, path: str) -> bool:
+        return (self.folder / path).is_file()
+
     def put(self, path: str, data: bytes) -> None:
         if self.full or not self._admit(len(data)):
             return

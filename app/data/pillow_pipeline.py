@@ -3,10 +3,16 @@ training process moves each batch to the device (app/data/device.py).
 
 Images that cannot be read or decoded are skipped and reported with the batch (path and
 reason), never dropped silently. Batches may therefore be shorter than the batch size.
+
+Each batch also names the rows its loader process will be handed next (ReadAhead), so the
+reader fetches them while this batch decodes; which images form a batch, their order and
+their crops stay those of ShardedBatches and the recipe.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -23,6 +29,39 @@ from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.storage import DatasetRoot
+
+READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
+
+
+@dataclass
+class BatchRequest:
+    """What a loader process is asked for: one batch, and the rows of the batches it will be
+    asked for next (only a hint for the reader: never part of the batch)."""
+    items: list[tuple[int, int]]  # (row, augmentation seed), from ShardedBatches
+    upcoming: list[int]
+
+
+class ReadAhead:
+    """Batch sampler around ShardedBatches that adds to every batch the rows of the next
+    `depth` batches the same loader process will get. DataLoader hands batch i to process
+    i % processes (round robin, in order; all batches to one when it has none)."""
+
+    def __init__(self, batches: ShardedBatches, processes: int, depth: int = READ_AHEAD_BATCHES):
+        self.batches = batches
+        self.stride = max(processes, 1)
+        self.depth = depth
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[BatchRequest]:
+        batches = iter(self.batches)
+        window = deque(itertools.islice(batches, self.depth * self.stride + 1))
+        while window:
+            current = window.popleft()
+            mine_next = itertools.islice(window, self.stride - 1, None, self.stride)
+            yield BatchRequest(current, [row for batch in mine_next for row, _ in batch])
+            window.extend(itertools.islice(batches, 1))
 
 
 def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
@@ -51,7 +90,8 @@ class HostBatch:
 
 class ImageDataset(Dataset):
     """Indexed by (row, augmentation seed) pairs from ShardedBatches; DataLoader hands a whole
-    batch to __getitems__, so its blobs are read concurrently."""
+    batch (a BatchRequest) to __getitems__, so its blobs are read concurrently, and the ones
+    of the next batches meanwhile."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe):
         self.reader = BlobReader(root)
@@ -67,9 +107,13 @@ class ImageDataset(Dataset):
     def __getitem__(self, item: tuple[int, int]):
         return self.__getitems__([item])[0]
 
-    def __getitems__(self, items: list[tuple[int, int]]) -> list:
+    def __getitems__(self, request: BatchRequest | list[tuple[int, int]]) -> list:
+        if not isinstance(request, BatchRequest):
+            request = BatchRequest(request, [])
+        items = request.items
         paths = [self.paths[index].decode("utf-8") for index, _ in items]
-        blobs = self.reader.read_many(paths)
+        upcoming = [self.paths[index].decode("utf-8") for index in request.upcoming]
+        blobs = self.reader.read_many(paths, upcoming)
         return [self.decode(path, blob, index, seed)
                 for path, blob, (index, seed) in zip(paths, blobs, items)]
 
@@ -99,8 +143,8 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
     # Remote filesystems (s3fs: an event loop thread, open connections) must not cross a
     # fork (fsspec/s3fs #914): their loader processes are spawned and open their own.
     context = None if workers == 0 or root.is_local else "spawn"
-    return DataLoader(ImageDataset(root, frame, recipe), batch_sampler=batches,
-                      num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
+    return DataLoader(ImageDataset(root, frame, recipe),
+                      batch_sampler=ReadAhead(batches, workers), num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
                       persistent_workers=workers > 0, multiprocessing_context=context)
 
 

@@ -1,40 +1,47 @@
 """Bytes of many images at once from the dataset root.
 
 On object stores each GET takes tens of milliseconds, so the reader keeps `concurrency`
-requests in flight (fsspec's batched async `cat` on s3fs): throughput is concurrency / latency,
-not 1 / latency. Transient failures (5xx, throttling, dropped connections, timeouts; s3fs and
-botocore retry those first) get a few more tries with backoff here; a missing or unreadable
-blob becomes a reason string, and the image is skipped and counted like a bad image.
+requests in flight: throughput is concurrency / latency, not 1 / latency. Object stores are
+read through obstore by default (app/data/object_store.py: little client CPU per GET, and the
+next batches' requests in flight while the current one decodes); `reader = "s3fs"` and every
+other filesystem read through fsspec (s3fs's batched async `cat`, one batch at a time).
+Transient failures (5xx, throttling, dropped connections, timeouts; the clients retry those
+first) get a few more tries with backoff here; a missing or unreadable blob becomes a reason
+string, and the image is skipped and counted like a bad image.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
-from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
 from app.data.cache import DiskCache
+from app.data.object_store import ObjectStoreReads, Outcome
 from app.errors import first_line
+from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
 
-ATTEMPTS = 3  # per blob, on top of s3fs/botocore's own retries
+ATTEMPTS = 3  # per blob, on top of the client's own retries
 BACKOFF_S = 0.2  # doubled after each failed attempt
 DEFAULT_CACHE_GB = 50.0
 
 
 class BlobReader:
-    """Picklable: the filesystem behind `root` is created in whichever process reads."""
+    """Picklable: the clients behind `root` are created in whichever process reads."""
 
     def __init__(self, root: DatasetRoot, attempts: int = ATTEMPTS, backoff_s: float = BACKOFF_S):
         self.root = root
-        self.attempts = attempts
-        self.backoff_s = backoff_s
         self.concurrency = root.options.get("concurrency", DEFAULT_CONCURRENCY)
         cache_dir = root.options.get("cache_dir")
         self.cache = DiskCache.for_dataset(cache_dir, root.url, root.options.get(
             "cache_max_gb", DEFAULT_CACHE_GB)) if cache_dir else None
+        reads = ObjectStoreReads if root.reader == "obstore" else FsspecReads
+        self.source = reads(root, self.concurrency, attempts, backoff_s)
 
-    def read_many(self, paths: list[str]) -> list[tuple[bytes | None, str]]:
-        """For each path (relative to the root): (bytes, "") or (None, reason)."""
-        results: dict[str, tuple[bytes | None, str]] = {}
+    def read_many(self, paths: list[str], upcoming: Sequence[str] = ()
+                  ) -> list[Outcome]:
+        """For each path (relative to the root): (bytes, "") or (None, reason). `upcoming`:
+        paths likely asked for next, which readers that can may start fetching now."""
+        results: dict[str, Outcome] = {}
         todo = []
         for path in paths:
             cached = self.cache.get(path) if self.cache else None
@@ -42,7 +49,30 @@ class BlobReader:
                 todo.append(path)
             else:
                 results[path] = (cached, "")
+        if self.cache:
+            upcoming = [path for path in upcoming if not self.cache.has(path)]
+        for path, (data, reason) in self.source.read(todo, list(upcoming)).items():
+            results[path] = (data, reason)
+            if data is not None and self.cache:
+                self.cache.put(path, data)
+        return [results[path] for path in paths]
+
+
+class FsspecReads:
+    """Rounds of fsspec's batched `cat` (concurrent where the filesystem is asynchronous, as
+    s3fs is), the failed blobs of each round tried again after a backoff. Reads one batch at a
+    time: `upcoming` is not fetched ahead."""
+
+    def __init__(self, root: DatasetRoot, concurrency: int, attempts: int, backoff_s: float):
+        self.root = root
+        self.concurrency = concurrency
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+
+    def read(self, paths: list[str], upcoming: list[str] = ()) -> dict[str, Outcome]:
+        results: dict[str, Outcome] = {}
         errors: dict[str, BaseException] = {}
+        todo = list(paths)
         for attempt in range(self.attempts):
             if not todo:
                 break
@@ -52,8 +82,6 @@ class BlobReader:
             for path, value in self.fetch(todo).items():
                 if isinstance(value, bytes):
                     results[path] = (value, "")
-                    if self.cache:
-                        self.cache.put(path, value)
                 elif isinstance(value, FileNotFoundError):
                     results[path] = (None, "missing")
                 elif isinstance(value, PermissionError):
@@ -65,7 +93,7 @@ class BlobReader:
         for path in todo:
             results[path] = (None, f"unreadable after {self.attempts} attempts: "
                                    f"{first_line(errors[path], with_type=True)}")
-        return [results[path] for path in paths]
+        return results
 
     def fetch(self, paths: list[str]) -> dict[str, bytes | BaseException]:
         """One round of reads, concurrent where the filesystem is asynchronous."""
@@ -79,4 +107,3 @@ class BlobReader:
         if not isinstance(out, dict):  # a single path comes back as its bytes
             out = {next(iter(full)): out}
         return {path: out.get(key, FileNotFoundError(path)) for key, path in full.items()}
-

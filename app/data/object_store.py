@@ -1,0 +1,94 @@
+"""Image bytes from an object store (s3://, gs://, az://) through obstore, with the requests of
+the next batches in flight while the current batch decodes.
+
+One GET per image on a pool of `concurrency` threads: obstore's calls release the GIL and
+run in Rust, so a GET costs a fraction of s3fs's client CPU (docs/benchmarks.md); the
+threads cost less CPU per GET than obstore's asyncio calls. The caller names the images it
+will ask for next (`upcoming`), and their GETs queue behind the current batch's, so a loader
+process never waits for a whole round trip between batches. Memory stays bounded: only the
+current and the announced images are kept, anything else is dropped.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from app.errors import first_line
+from app.storage import DatasetRoot
+
+Outcome = tuple[bytes | None, str]  # (bytes, "") or (None, why not)
+
+# A batch waits at most this long for its images (each GET has its own timeouts and
+# retries in app/storage.py); the ones still missing then are skipped, not waited for.
+WAIT_LIMIT_S = 300.0
+
+
+class ObjectStoreReads:
+    """Picklable: the thread pool and the store client are created in the reading process."""
+
+    def __init__(self, root: DatasetRoot, concurrency: int, attempts: int, backoff_s: float):
+        self.root = root
+        self.concurrency = concurrency
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pool": None, "_pending": {}}
+
+    def __del__(self) -> None:
+        # GETs announced but not started would otherwise still run before the process exits.
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def read(self, paths: list[str], upcoming: list[str] = ()) -> dict[str, Outcome]:
+        """Outcomes of `paths` (relative to the root); `upcoming` are fetched meanwhile."""
+        if self._pool is None:
+            # The client first, here, once: not by every pool thread at its first GET.
+            self.root.store  # noqa: B018
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="object-store")
+        wanted = set(paths) | set(upcoming)
+        for path in [p for p in self._pending if p not in wanted]:
+            self._pending.pop(path).cancel()  # no longer announced: free its slot and bytes
+        for path in [*paths, *upcoming]:  # the pool's queue is first in, first out
+            if path not in self._pending:
+                self._pending[path] = self._pool.submit(self._get, path)
+        futures = {path: self._pending.pop(path) for path in dict.fromkeys(paths)}
+        _, late = wait(futures.values(), timeout=WAIT_LIMIT_S)
+        for future in late:
+            future.cancel()
+        return {path: future.result() if future.done() and not future.cancelled()
+                else (None, f"no answer within {WAIT_LIMIT_S:.0f} s")
+                for path, future in futures.items()}
+
+    def _get(self, path: str) -> Outcome:
+        import obstore  # noqa: PLC0415 (loads in the reading process only)
+        from obstore.exceptions import (InvalidPathError, PermissionDeniedError,  # noqa: PLC0415
+                                        UnauthenticatedError)
+        store = self.root.store
+        error: Exception | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                return bytes(obstore.get(store, path).bytes()), ""
+            except FileNotFoundError:
+                return None, "missing"
+            except (PermissionDeniedError, UnauthenticatedError):
+                return None, "access denied"
+            except InvalidPathError as invalid:
+                return None, f"not a valid object name: {first_line(invalid)}"
+            except Exception as failure:  # noqa: BLE001 (what is left after obstore's retries)
+                error = failure
+        return None, f"unreadable after {self.attempts} attempts: {cause(error)}"
+
+
+def cause(error: BaseException) -> str:
+    """The part of an obstore error that says why, on one line: its messages name the request
+    first and end with the cause (" - Server returned ... 503 ... <Code>SlowDown</Code>")."""
+    text = str(error).split("\n\nDebug source:")[0].rsplit(" - ", 1)[-1]
+    text = " ".join(re.sub(r"<[^>]*>", " ", text).split())[:160]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
