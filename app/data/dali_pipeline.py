@@ -5,7 +5,8 @@ bytes through our BlobReader and hand DALI each image's crop box and flip from t
 plan(), so data order and augmentation stay functions of (seed, epoch, image) and exact resume
 holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
 JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
-normalises it straight to float in HWC, which torch views as channels_last NCHW.
+normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW where the
+model wants plain NCHW, as on a CPU).
 
 Bad data never ends a run: the reader replaces what it cannot read or decode-check with a
 placeholder and a reason, and this side drops those images and reports them like the Pillow
@@ -97,11 +98,16 @@ class DaliPipeline:
             images = fn.resize(images, resize_x=size, resize_y=size,
                                interp_type=types.INTERP_LINEAR, antialias=True)
             images = fn.crop_mirror_normalize(
-                images, mirror=mirror, dtype=types.FLOAT, output_layout="HWC",
+                images, mirror=mirror, dtype=types.FLOAT, output_layout=self.layout(),
                 mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
             self.pipe.set_outputs(images, labels.gpu() if on_gpu else labels, rows, reasons)
         self.pipe.build()
         self.next = (epoch, step)
+
+    def layout(self) -> str:
+        """HWC is channels_last NCHW once permuted, for free; a model that wants contiguous
+        NCHW (on a CPU) gets CHW written directly rather than a copy afterwards."""
+        return "HWC" if self.spec.form.channels_last else "CHW"
 
     def gpu_decoder(self) -> dict:
         """The hardware JPEG decoder (the rest on CUDA): `hw_decoder_load` 1.0 sends every
@@ -119,7 +125,8 @@ class DaliPipeline:
         """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
         the copy is queued on torch's stream after DALI's work), the placeholders dropped."""
         form, count, size = self.spec.form, len(rows), self.spec.recipe.size
-        pixels = torch.empty((count, size, size, 3), dtype=torch.float32, device=form.device)
+        shape = (count, size, size, 3) if self.layout() == "HWC" else (count, 3, size, size)
+        pixels = torch.empty(shape, dtype=torch.float32, device=form.device)
         targets = torch.empty(count, dtype=torch.int64, device=form.device)
         if count:
             stream = torch.cuda.current_stream(form.device) if form.device.type == "cuda" \
@@ -133,10 +140,9 @@ class DaliPipeline:
             runs = _runs([i for i in range(count) if not why[i]]) or [(0, -1)]
             pixels = torch.cat([pixels[first:last + 1] for first, last in runs])
             targets = torch.cat([targets[first:last + 1] for first, last in runs])
-        memory_format = torch.channels_last if form.channels_last else torch.contiguous_format
-        images_nchw = pixels.permute(0, 3, 1, 2).to(dtype=form.dtype,
-                                                    memory_format=memory_format)
-        return DeviceBatch(images_nchw, targets, skipped)
+        if self.layout() == "HWC":
+            pixels = pixels.permute(0, 3, 1, 2)  # a view with channels_last strides
+        return DeviceBatch(pixels.to(form.dtype), targets, skipped)
 
     def redo_with_pillow(self, epoch: int, step: int) -> DeviceBatch:
         spec = self.spec
