@@ -129,7 +129,8 @@ def run(catalog_path: str, datasets: list[str], image_size: int, batch_size: int
         if baseline:
             result["ratio_to_peer"] = result["images_per_s"] / baseline["images_per_s"]
         first = next((r for r in results if r["dataset"] == result["dataset"]), result)
-        result["cpu_per_get_vs_baseline"] = result["cpu_ms_per_get"] / first["cpu_ms_per_get"]
+        result["cpu_per_get_vs_baseline"] = (result["cpu_ms_per_get"] / first["cpu_ms_per_get"]
+                                             if first["cpu_ms_per_get"] else float("nan"))
     return {"image_size": image_size, "batch_size": batch_size, "workers": workers,
             "batches": batches, "device": device, "cpu_count": os.cpu_count(),
             "peer": baseline, "results": results, "date": time.strftime("%Y-%m-%d")}
