@@ -69,7 +69,8 @@ class DataConfig:
     workers: int = param(4, "data loading processes per device", "-j", check=at_least(0))
     max_bad_fraction: float = param(
         0.01, "stop when more than this share of an epoch's images cannot be read or decoded "
-        "(they are skipped and listed in skipped.tsv)", check=(lambda v: 0 <= v <= 1, "must be in [0, 1]"))
+        "(they are skipped and listed in skipped.tsv)",
+        check=(lambda v: 0 <= v <= 1, "must be in [0, 1]"))
 
 
 @dataclass(kw_only=True)

@@ -78,7 +78,8 @@ def test_layers_import_only_downwards():
     graph = import_graph()
     # the catalog and the tables sit below the data pipeline, the model and the loop
     for low in ("app.catalog", "app.tables", "app.storage"):
-        assert not {t for t in graph[low] if t.startswith(("app.data", "app.train", "app.parallel"))}
+        above = ("app.data", "app.train", "app.parallel")
+        assert not {t for t in graph[low] if t.startswith(above)}
     # the process supervisor knows nothing of training or logging
     parallel = {t for m, targets in graph.items() if m.startswith("app.parallel")
                 for t in targets}

@@ -74,7 +74,6 @@ def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(out).copy())
 
 
-
 @dataclass
 class HostBatch:
     images: torch.Tensor  # uint8 (n, S, S, 3): NHWC, so the device sees channels_last for free
@@ -144,7 +143,8 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
     # fork (fsspec/s3fs #914): their loader processes are spawned and open their own.
     context = None if workers == 0 or root.is_local else "spawn"
     return DataLoader(ImageDataset(root, frame, recipe),
-                      batch_sampler=ReadAhead(batches, workers), num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
+                      batch_sampler=ReadAhead(batches, workers), num_workers=workers,
+                      collate_fn=collate, pin_memory=pin_memory,
                       persistent_workers=workers > 0, multiprocessing_context=context)
 
 
