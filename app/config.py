@@ -213,3 +213,10 @@ def validate(config: Config) -> None:
                                 f"{getattr(values, f.name)!r}")
     if config.parallel.gpus and config.parallel.devices:
         raise UserError("give either --gpus or --devices, not both")
+    kinds = {device.split(":")[0] for device in config.parallel.devices}
+    if {"cpu", "cuda"} <= kinds:
+        # Replicas on both would step in different precisions and kernels (they must stay
+        # bit-identical), and the parameter server keeps order with CUDA events that a CPU
+        # worker does not have.
+        raise UserError(f"--devices {','.join(config.parallel.devices)} mixes CPU and CUDA "
+                        "devices; give all cuda:N or all cpu")

@@ -124,6 +124,8 @@ def test_resume_from_a_checkpoint_of_another_model(capsys, tmp_path, tiny_sample
 @pytest.mark.parametrize("args, fragment", [
     (["--catalog", "missing.toml"], "missing.toml: dataset catalog not found"),
     (["--dataset", "nope"], "unknown dataset 'nope'"),
+    # refused by the config's validation, before a GPU is looked up or a process started
+    (["--devices", "cuda:0,cpu", "--sync", "ps"], "--devices cuda:0,cpu mixes CPU and CUDA"),
 ])
 def test_a_real_driver_process_exits_2_without_traceback(tmp_path, args, fragment):
     if "--catalog" not in args:
