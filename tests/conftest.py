@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,12 +70,17 @@ def catalog_for(tmp_path):
     return make
 
 
-def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
-    """bin/driver.py in a real Python process, as a user would start it."""
+def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None,
+               open_files: int | None = None) -> subprocess.CompletedProcess:
+    """bin/driver.py in a real Python process, as a user would start it; `open_files` lowers
+    its soft limit of open file descriptors (`ulimit -n`), inherited by its children."""
+    def limit_open_files() -> None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, hard))
     return subprocess.run([sys.executable, str(REPO / "bin" / "driver.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})},
+                          preexec_fn=limit_open_files if open_files else None)
 
 
 def worker_pids(stderr_text: str) -> dict[str, int]:

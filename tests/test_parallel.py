@@ -65,6 +65,20 @@ def test_two_workers_match_one_worker_with_twice_the_batch(one_worker_reference,
     assert moved == pytest.approx(1.0)  # sanity: the metric is not trivially zero
 
 
+def test_four_ps_workers_train_a_resnet50_under_a_low_open_file_limit(tmp_path):
+    """resnet50's state_dict has 320 entries. Shared entry by entry, worker 0's weights and
+    their broadcast to 4 workers needed over a thousand descriptors at once: the run died
+    with EOFError, or waited for --sync-timeout, under the usual `ulimit -n 1024`."""
+    result = run_driver(*CATALOG, "-a", "resnet50", "--image-size", "32", "-b", "4", "-j", "0",
+                        "--train-index", "csv", "--epochs", "1", "--devices", "cpu,cpu,cpu,cpu",
+                        "--sync", "ps", "--sync-timeout", "120", "--run-name", "fds",
+                        cwd=tmp_path, open_files=256, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = weights(tmp_path / "runs" / "fds")
+    assert len(state["model"]) >= 300
+    assert state["step"] == 9  # 141 images, 4 workers x 4 per step
+
+
 # allreduce computes the same steps (test_two_workers_match_one_worker_with_twice_the_batch).
 @pytest.mark.parametrize("sync, loader_workers", [("ps", "1")])
 def test_two_workers_train_the_tiny_sample(tmp_path, sync, loader_workers):

@@ -37,7 +37,7 @@ def test_pack_scales_and_unpack_restores():
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
     params[0].grad = torch.randn(3, 2)
     layout = BucketLayout.for_params(params, bucket_mb=1)
-    (bucket,) = layout.allocate("cpu", shared=True)
+    (bucket,) = layout.views(layout.allocate("cpu", shared=True))
     layout.pack(0, params, bucket, scale=3.0)
     assert torch.equal(bucket[:4], torch.zeros(4))  # params[1] has no grad: zeros
     assert torch.allclose(bucket[4:], 3 * params[0].grad.reshape(-1))

@@ -49,7 +49,7 @@ def test_channels_last_gradients_travel_in_memory_order_without_copies():
     grad = params[0].grad.clone()
     assert grad.is_contiguous(memory_format=torch.channels_last)
     layout = BucketLayout.for_params(params, bucket_mb=1)
-    (bucket,) = layout.allocate("cpu", shared=False)
+    (bucket,) = layout.views(layout.allocate("cpu", shared=False))
     layout.pack(0, params, bucket, scale=2.0)
     weight_part = bucket[params[1].numel():]  # parameters go in reverse order: bias first
     # memory order of a channels_last weight is (out, kh, kw, in): the bucket holds it as is

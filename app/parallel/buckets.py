@@ -48,13 +48,22 @@ class BucketLayout:
     def __len__(self) -> int:
         return len(self.buckets)
 
-    def allocate(self, device: torch.device | str, shared: bool) -> list[torch.Tensor]:
-        """Zeroed flat buffers; `shared` puts CPU ones into shared memory so another process
-        can map them (CUDA tensors are shared through CUDA IPC when sent to a process)."""
-        buffers = [torch.zeros(sum(n), dtype=self.dtype, device=device) for n in self.numels]
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Elements per bucket."""
+        return tuple(sum(n) for n in self.numels)
+
+    def allocate(self, device: torch.device | str, shared: bool) -> torch.Tensor:
+        """One zeroed flat buffer for all buckets (`views` splits it): passed to another
+        process, it is one shared-memory segment (CPU; `shared` puts it there) or one CUDA IPC
+        handle, however many buckets there are."""
+        flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=device)
         if shared and torch.device(device).type == "cpu":
-            buffers = [b.share_memory_() for b in buffers]
-        return buffers
+            flat.share_memory_()
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return split_buckets(flat, self.sizes)
 
     def pack(self, bucket: int, params: list[torch.Tensor], out: torch.Tensor, scale: float
              ) -> None:
@@ -76,6 +85,11 @@ class BucketLayout:
                 param.grad = torch.empty_like(param)  # keeps the parameter's memory format
             permuted = param.grad.permute(self.orders[index])
             permuted.copy_(view.view(permuted.shape))
+
+
+def split_buckets(flat: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """The buckets of a flat buffer, as views (the server has the sizes, not the layout)."""
+    return list(flat.split(list(sizes)))
 
 
 def memory_order(tensor: torch.Tensor) -> tuple[int, ...]:

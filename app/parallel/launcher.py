@@ -45,8 +45,8 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue) -> Non
     except UserError as error:
         reports.put((name, str(error), "user"))
         sys.exit(USER_ERROR_EXIT_CODE)
-    except SyncFailure as error:
-        reports.put((name, str(error), "sync"))
+    except SyncFailure as error:  # one line; "sync" if it only noticed another's failure
+        reports.put((name, str(error), "sync" if error.noticed_only else "transport"))
         sys.exit(1)
     except BaseException as error:  # noqa: BLE001 (reported to the driver, then re-raised)
         traceback.print_exc()

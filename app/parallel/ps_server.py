@@ -14,6 +14,7 @@ events instead of device synchronizes (app/parallel/handover.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,7 +25,10 @@ import numpy as np
 import torch
 
 from app.parallel import compare_checksums
+from app.parallel.buckets import split_buckets
 from app.parallel.handover import ServerSignals, server_signals
+from app.parallel.messages import post
+from app.parallel.packed import PackedTensors
 from app.parallel.watch import SyncFailure, Watch
 
 
@@ -35,7 +39,7 @@ class ServerLinks:
     outboxes: list[Queue]  # server -> worker r: ("hello" | "avg" | "reduced", ...)
 
     def send_to(self, rank: int, message: tuple) -> None:
-        self.outboxes[rank].put(message)
+        post(self.outboxes[rank], message, f"worker {rank}")
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Registration:
     inbox: list[torch.Tensor]  # where the server writes this worker's averages
     events: Any  # what handover.server_signals needs from this worker (None on CPU)
     names: list[str]  # parameter names, for messages about diverged replicas
-    state: dict[str, torch.Tensor] | None  # worker 0's initial weights, shared memory
+    state: PackedTensors | None  # worker 0's initial weights, one shared buffer
 
 
 def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
@@ -65,6 +69,7 @@ def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | No
     workers = register_workers(links, watch)
     for rank in range(len(workers)):
         links.send_to(rank, ("hello", os.getpid(), workers[0].state))
+    workers[0] = dataclasses.replace(workers[0], state=None)  # sent: its memory can go
     syncgrads(links, watch, Reducer(workers, signals), workers[0].names)
 
 
@@ -75,8 +80,9 @@ def register_workers(links: ServerLinks, watch: Watch) -> list[Registration]:
         if message[0] != "register":
             raise SyncFailure(f"expected a registration, got {message[0]!r} from worker "
                               f"{message[1]}")
-        _, rank, pid, grads, inbox, events, names, state = message
-        found[rank] = Registration(pid, grads, inbox, events, names, state)
+        _, rank, pid, grads, inbox, sizes, events, names, state = message
+        found[rank] = Registration(pid, split_buckets(grads, sizes), split_buckets(inbox, sizes),
+                                   events, names, state)
         watch.peers[f"worker {rank}"] = pid
     return [found[rank] for rank in range(len(links.outboxes))]
 

@@ -16,6 +16,8 @@ from app.devices import WorkerEnv
 from app.parallel import float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
+from app.parallel.messages import post
+from app.parallel.packed import PackedTensors
 from app.parallel.ps_server import ServerLinks
 from app.parallel.watch import SyncFailure, Watch
 
@@ -40,19 +42,22 @@ class ParameterServerSync:
         self.model = model
         self.params = list(model.parameters())
         self.layout = BucketLayout.for_params(self.params, self.bucket_mb)
-        self.buckets = self.layout.allocate(self.env.device, shared=True)
-        self.inbox = self.layout.allocate(self.env.device, shared=True)
+        # Each side of the exchange is one flat buffer: one descriptor (or CUDA IPC handle)
+        # for the server to map, however many buckets.
+        grads, inbox = (self.layout.allocate(self.env.device, shared=True) for _ in range(2))
+        self.buckets, self.inbox = self.layout.views(grads), self.layout.views(inbox)
         self.signals = self.signals or worker_signals(torch.device(self.env.device),
                                                       len(self.layout))
         names = [name for name, _ in model.named_parameters()]
-        # Worker 0's weights (a restored checkpoint included) are what the server broadcasts.
-        state = ({k: v.detach().cpu().clone().share_memory_()
-                  for k, v in model.state_dict().items()} if self.env.rank == 0 else None)
-        self.links.inbox.put(("register", self.env.rank, os.getpid(), self.buckets, self.inbox,
-                              self.signals.for_server(), names, state))
+        # Worker 0's weights (a restored checkpoint included) are what the server broadcasts,
+        # packed into one buffer for the same reason.
+        state = PackedTensors.of(model.state_dict()) if self.env.rank == 0 else None
+        self.send(("register", self.env.rank, os.getpid(), grads, inbox, self.layout.sizes,
+                   self.signals.for_server(), names, state))
         _, server_pid, initial = self.receive("hello")
         self.watch.peers["parameter server"] = server_pid
-        model.load_state_dict(initial)  # copies into this replica's own tensors and device
+        model.load_state_dict(initial.unpacked())  # copies into this replica's own tensors
+        del initial  # the shared buffer is not needed any more
         self.hooks = BucketHooks(model, self.layout, self.hand_over)
         return model
 
@@ -70,7 +75,7 @@ class ParameterServerSync:
         self.layout.pack(bucket, self.params, self.buckets[bucket], float(self.weight))
         self.signals.wrote_gradients(bucket)  # before the message that announces it
         self.handed_over.add(bucket)
-        self.links.inbox.put(("grads", self.env.rank, self.step_index, bucket, self.weight))
+        self.send(("grads", self.env.rank, self.step_index, bucket, self.weight))
 
     def finish_step(self) -> int:
         for bucket in range(len(self.layout)):
@@ -90,13 +95,12 @@ class ParameterServerSync:
     def send_checksum(self) -> None:
         """The weights after `step_index` updates; the server compares them across workers
         without making anybody wait."""
-        self.links.inbox.put(("checksum", self.env.rank, self.step_index,
-                              weights_checksum(self.model)))
+        self.send(("checksum", self.env.rank, self.step_index, weights_checksum(self.model)))
 
     def reduce(self, op: str, payload: Any) -> Any:
         key = self.reduce_index
         self.reduce_index += 1
-        self.links.inbox.put(("reduce", self.env.rank, key, op, payload))
+        self.send(("reduce", self.env.rank, key, op, payload))
         _, answered, result = self.receive("reduced")
         if answered != key:
             raise SyncFailure(f"worker {self.env.rank}: reduction {key} answered as {answered}")
@@ -118,6 +122,9 @@ class ParameterServerSync:
         for buffer, values in zip(buffers, averaged):
             buffer.copy_(values.view_as(buffer))
 
+    def send(self, message: tuple) -> None:
+        post(self.links.inbox, message, "the parameter server")
+
     def receive(self, kind: str) -> tuple:
         message = self.watch.receive(self.outbox, f"'{kind}' from the parameter server")
         if message[0] != kind:
@@ -126,4 +133,4 @@ class ParameterServerSync:
 
     def close(self) -> None:
         self.send_checksum()  # replicas must also agree at the very end
-        self.links.inbox.put(("done", self.env.rank))
+        self.send(("done", self.env.rank))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import queue
 import re
@@ -20,10 +21,32 @@ from app.errors import first_line
 
 POLL_S = 0.5  # how often a blocked wait looks at its peers
 PR_SET_PDEATHSIG = 1
+ULIMIT_HINT = "raise the open-file limit: ulimit -n"
 
 
 class SyncFailure(RuntimeError):
     """A peer died, stopped answering, or replicas diverged; the message is one line."""
+    noticed_only = True  # this process saw another one fail; the cause is elsewhere
+
+
+class TransportFailure(SyncFailure):
+    """A message could not be sent or rebuilt here: the cause is in this process."""
+    noticed_only = False
+
+
+def likely_cause(error: BaseException) -> str:
+    """What went wrong while passing a message, and what to do about it, in one line."""
+    detail = first_line(error, 200, with_type=True)
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return f"{detail} ({ULIMIT_HINT})"
+    if isinstance(error, EOFError):
+        # A shared tensor's descriptor comes over a socket from the sender's resource sharer,
+        # which closes it empty-handed when it has run out of descriptors (or exited).
+        return (f"{detail}: the sender could not pass a shared-memory handle (it ran out of "
+                f"file descriptors or exited; {ULIMIT_HINT})")
+    if isinstance(error, (ConnectionError, FileNotFoundError)):
+        return f"{detail}: the sender is gone"
+    return detail
 
 
 @contextlib.contextmanager
@@ -108,7 +131,7 @@ class Watch:
         started = time.monotonic()
         while True:
             try:
-                return source.get(timeout=POLL_S)
+                return self._get(source, waiting_for, POLL_S)
             except queue.Empty:
                 pass
             try:
@@ -116,12 +139,24 @@ class Watch:
             except SyncFailure as failure:
                 # A peer may have sent its last message and exited since the get timed out.
                 try:
-                    return source.get_nowait()
+                    return self._get(source, waiting_for, None)
                 except queue.Empty:
                     raise failure from None
             if time.monotonic() - started > self.timeout_s:
                 raise SyncFailure(f"no {waiting_for} for {self.timeout_s:.0f} s although every "
                                   "process is alive (raise --sync-timeout if this is expected)")
+
+    @staticmethod
+    def _get(source: "queue.Queue", waiting_for: str, timeout: float | None):
+        """One message (None: only if one is there now); a message that arrived but cannot
+        be rebuilt here (its shared memory, its pickle) is a TransportFailure."""
+        try:
+            return source.get(timeout=timeout) if timeout else source.get_nowait()
+        except queue.Empty:
+            raise
+        except Exception as error:  # noqa: BLE001 (any failure to rebuild, in one line)
+            raise TransportFailure(f"could not receive the {waiting_for}: "
+                                   f"{likely_cause(error)}") from None
 
     def check(self) -> None:
         if os.getppid() != self.parent:
