@@ -31,13 +31,19 @@ def scaled_lr(config: OptimConfig, global_batch: int) -> float:
     return config.lr * global_batch / 256
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """`fused`: one kernel per step that also takes fp16 loss scaling's inf check as a tensor,
+    so GradScaler.step skips a step on the device instead of asking the host (a sync per
+    step with the default implementation)."""
     groups = param_groups(model, config.weight_decay)
     lr = scaled_lr(config, global_batch)
+    fused_or_default = True if fused else None
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999))
-    return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov)
+        return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999),
+                                 fused=fused_or_default)
+    return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                           fused=fused_or_default)
 
 
 class WarmupSchedule:

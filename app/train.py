@@ -120,10 +120,11 @@ class Trainer:
             create_model(config.model.arch, job.tables.num_classes, config.model.norm))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         steps = self.train_data.steps_per_epoch()
-        self.optimizer = build_optimizer(model, config.optim,
-                                         config.train.batch_size * env.world_size)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
         self.scaler = self.precision.grad_scaler()
+        self.optimizer = build_optimizer(model, config.optim,
+                                         config.train.batch_size * env.world_size,
+                                         fused=self.scaler is not None)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=config.optim.label_smoothing)
         self.position = Position()
         self.best_top1 = -1.0

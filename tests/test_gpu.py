@@ -124,10 +124,11 @@ class SyncDebugWindow:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_setting", ["off", "on"])
-def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting):
+@pytest.mark.parametrize("compile_setting, amp", [("off", "bf16"), ("on", "bf16"),
+                                                  ("off", "fp16")])  # fp16: fused step
+def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp):
     config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", "2", "-p", "1000",
-                              "--device", "cuda:0", "--compile", compile_setting,
+                              "--device", "cuda:0", "--compile", compile_setting, "--amp", amp,
                               "--output-dir", str(tmp_path), "--run-name", "nosync"])
     job = prepare_job(config)
     write_run_folder(job)

@@ -6,6 +6,7 @@ import tomllib
 import pytest
 import timm
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from app import checkpoint
 from app.config_sources import parse_config
@@ -188,3 +189,54 @@ def test_a_trainers_state_loads_into_a_fresh_trainer(tmp_path):
     assert again["scheduler"]["last_epoch"] == state["scheduler"]["last_epoch"] == 3
     trainer.close()
     fresh.close()
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every op that hands a tensor's value to the host (`.item()`, `bool(t)`): on a
+    GPU each one waits for the device."""
+
+    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps_without_asking_the_host(tmp_path):
+    job = train_in_process(tmp_path, "--epochs", "1", "--amp", "fp16", "--run-name", "fp16",
+                           "--classes", "5")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    try:
+        batches = trainer.train_data.epoch(0)
+        params = list(trainer.model.parameters())
+        batch = next(batches)
+        with HostSyncs() as syncs:
+            trainer.train_step(batch)
+        assert syncs.calls == []
+        # An overflowing step (the largest float32 scale) is skipped on the device...
+        trainer.scaler.update(new_scale=torch.finfo(torch.float32).max)
+        before = [p.detach().clone() for p in params]
+        batch = next(batches)
+        with HostSyncs() as syncs:
+            trainer.train_step(batch)
+        assert syncs.calls == []
+        assert all(torch.equal(a, p) for a, p in zip(before, params))
+        assert trainer.scaler.get_scale() == torch.finfo(torch.float32).max / 2  # backed off
+        # ... and a normal one is not.
+        trainer.scaler.update(new_scale=1024.0)
+        trainer.train_step(next(batches))
+        assert not all(torch.equal(a, p) for a, p in zip(before, params))
+    finally:
+        trainer.close()
+    # The detector sees the per-step sync of an unfused optimizer under the same scaler.
+    model = torch.nn.Linear(4, 2)
+    optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    with HostSyncs() as syncs:
+        scaler.step(optimizer)
+    assert syncs.calls
