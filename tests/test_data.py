@@ -1,3 +1,4 @@
+import collections
 import math
 import random
 
@@ -72,6 +73,74 @@ def test_augmentation_seed_depends_on_image_and_epoch_not_on_worker():
     assert all(seeds_one[i] == s for i, s in sum(list(two), []))
     one.set_epoch(1)
     assert dict(sum(list(one), [])) != seeds_one
+
+
+def repeated(num_items, batch_size, world_size, reps=3, seed=7):
+    return [ShardedBatches(num_items, batch_size, rank=r, world_size=world_size, seed=seed,
+                           repetitions=reps) for r in range(world_size)]
+
+
+def steps_of(workers) -> list[list[list[tuple[int, int]]]]:
+    """[step][worker] -> that worker's (index, seed) pairs."""
+    return [list(step) for step in zip(*(list(w) for w in workers))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_repeated_augmentation_keeps_the_epoch_length_and_repeats_each_image(world_size):
+    """torchvision's RASampler: 103 images, 3 reps -> 34 images x 3 (never more steps)."""
+    workers = repeated(103, 10 // world_size, world_size)
+    steps = steps_of(workers)
+    assert len(steps) == len(workers[0]) == math.ceil(102 / 10)
+    seen = [i for step in steps for part in step for i, _ in part]
+    assert len(seen) == 102 and set(collections.Counter(seen).values()) == {3}
+    for w in workers:
+        w.set_epoch(1)
+    assert {i for step in steps_of(workers) for part in step for i, _ in part} != set(seen)
+
+
+@pytest.mark.parametrize("world_size, batch_size", [(3, 4), (4, 5), (8, 2)])
+def test_repeated_copies_in_a_full_step_land_on_different_workers(world_size, batch_size):
+    """(4, 5): a global batch of 20 holds 6 whole images and parts of two more."""
+    workers = repeated(200, batch_size, world_size)
+    together = 0
+    for step in steps_of(workers):
+        if sum(map(len, step)) < world_size * batch_size:
+            continue  # the last, short step
+        for part in step:
+            indices = [i for i, _ in part]
+            assert len(indices) == len(set(indices))
+        counts = collections.Counter(i for part in step for i, _ in part)
+        together += sum(1 for n in counts.values() if n > 1)
+    assert together >= 50  # most copies do share a step: the check above is not vacuous
+
+
+def seeds_by_image(workers) -> dict[int, set[int]]:
+    seeds = collections.defaultdict(set)
+    for step in steps_of(workers):
+        for part in step:
+            for i, seed in part:
+                seeds[i].add(seed)
+    return dict(seeds)
+
+
+def test_each_copy_has_its_own_augmentation_seed_whatever_the_worker():
+    seeds = seeds_by_image(repeated(60, 5, 4))
+    assert len(seeds) == 20 and all(len(s) == 3 for s in seeds.values())
+    assert seeds_by_image(repeated(60, 20, 1)) == seeds
+    plain = dict(sum(list(ShardedBatches(60, 20, seed=7)), []))
+    assert all(plain[i] in s for i, s in seeds.items())  # copy 0: the seed without repeats
+
+
+def test_repeated_augmentation_resumes_mid_epoch_and_splits_the_global_batch_of_one():
+    one = repeated(103, 20, 1)[0]
+    halves = repeated(103, 10, 2)
+    later = repeated(103, 10, 2)[1]
+    for b in [one, *halves]:
+        b.set_epoch(2)
+    later.set_epoch(2, start_step=4)
+    assert list(later) == list(halves[1])[4:] and len(later) == len(halves[1]) - 4
+    for whole, a, b in zip(list(one), list(halves[0]), list(halves[1])):
+        assert whole == a + b
 
 
 def test_random_resized_crop_boxes_respect_scale_and_ratio():

@@ -6,6 +6,11 @@ once per epoch across all workers, N workers x batch b see exactly the images on
 batch N*b would, and a run can restart at any step of any epoch with the same batches.
 Every image also carries its own augmentation seed, derived from (seed, epoch, index), so the
 crops do not depend on which process or worker decodes it.
+
+Repeated augmentation (torchvision's RASampler, `repetitions` > 1): an epoch keeps about the
+dataset's length but takes only 1/repetitions of its images, each `repetitions` times, every
+copy with its own augmentation seed (seed, epoch, index, copy). Within each global batch the
+copies are laid out so that splitting it among workers puts them on different workers.
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ def mix_seed(*values: int) -> int:
     return x >> 1
 
 
+def spread_copies(batch: np.ndarray, repetitions: int) -> np.ndarray:
+    """Reorder one global batch of samples (`index * repetitions + copy`, the copies of an
+    image adjacent) copy by copy: all first copies, then all second copies, ...
+
+    Consecutive copies of an image then lie at least floor(len(batch) / repetitions) apart, so
+    any split into `repetitions` or more equal contiguous parts puts them on different workers,
+    as torchvision's stride by world size does. Unlike that stride, the layout does not depend
+    on the world size, so N workers x batch b still see one worker's batch N*b in its order."""
+    if repetitions == 1:
+        return batch
+    return batch[np.argsort(batch % repetitions, kind="stable")]
+
+
 def split_evenly(items: np.ndarray, parts: int, part: int) -> np.ndarray:
     """The `part`-th of `parts` contiguous pieces whose sizes differ by at most one."""
     return np.array_split(items, parts)[part]
@@ -40,16 +58,23 @@ class ShardedBatches:
     each worker by the images it actually had.
     Val (shuffle=False): each worker takes one contiguous slice of the val set, so every image is
     counted exactly once (no padding duplicates).
+    Repeated augmentation (train only): an epoch holds num_items // repetitions images (at
+    least one), `repetitions` copies each. With world_size >= repetitions the copies within a
+    full step land on different workers (spread_copies); an image whose copies straddle two
+    steps, or fall in the last, short step, may have two on one worker.
     """
 
     def __init__(self, num_items: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
+                 seed: int = 0, shuffle: bool = True, repetitions: int = 1):
+        if repetitions < 1 or (repetitions > 1 and not shuffle):
+            raise ValueError(f"repetitions must be 1, or more when shuffling; got {repetitions}")
         self.num_items = num_items
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
+        self.repetitions = repetitions
         self.epoch = 0
         self.start_step = 0
 
@@ -62,29 +87,49 @@ class ShardedBatches:
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
 
+    def images_per_epoch(self) -> int:
+        """Distinct images an epoch takes. Rounded down, as torchvision's RASampler trims its
+        epoch, so an epoch never has more steps than without repetitions."""
+        return max(1, self.num_items // self.repetitions)
+
     def steps_per_epoch(self) -> int:
         if self.shuffle:
-            return math.ceil(self.num_items / self.global_batch)
+            samples = self.images_per_epoch() * self.repetitions
+            return math.ceil(samples / self.global_batch)
         mine = len(split_evenly(np.arange(self.num_items), self.world_size, self.rank))
         return math.ceil(mine / self.batch_size)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """The epoch's permutation of all items (the selected epoch's by default)."""
+        """The epoch's samples (the selected epoch's by default), each `index * repetitions +
+        copy`: a permutation of all items, or with repetitions the first images of one, each
+        followed by its copies."""
         if not self.shuffle:
             return np.arange(self.num_items)
         epoch = self.epoch if epoch is None else epoch
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+        images = np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+        images = images[:self.images_per_epoch()]
+        return (images[:, None] * self.repetitions + np.arange(self.repetitions)).ravel()
+
+    def augmentation_seed(self, epoch: int, index: int, copy: int) -> int:
+        # The first copy keeps the seed the image has without repetitions: such runs (and
+        # their checkpoints) crop exactly as before.
+        if copy == 0:
+            return mix_seed(self.seed, epoch, index)
+        return mix_seed(self.seed, epoch, index, copy)
 
     def items(self, order: np.ndarray, epoch: int, step: int) -> list[tuple[int, int]]:
         """This worker's (index, augmentation seed) pairs of one step, given the epoch's
         order: a pure function, so a reader in another process computes the same batch."""
         if self.shuffle:
             batch = order[step * self.global_batch:(step + 1) * self.global_batch]
-            mine = split_evenly(batch, self.world_size, self.rank)
+            mine = split_evenly(spread_copies(batch, self.repetitions), self.world_size,
+                                self.rank)
         else:
             part = split_evenly(order, self.world_size, self.rank)
             mine = part[step * self.batch_size:(step + 1) * self.batch_size]
-        return [(int(i), mix_seed(self.seed, epoch, int(i))) for i in mine]
+        index, copy = np.divmod(mine, self.repetitions)
+        return [(int(i), self.augmentation_seed(epoch, int(i), int(c)))
+                for i, c in zip(index, copy)]
 
     def __len__(self) -> int:
         return self.steps_per_epoch() - self.start_step
