@@ -1,5 +1,5 @@
 """Top-1/top-5 over the whole validation set: every image counted once, counts summed across
-workers (never averages of averages)."""
+workers (never averages of averages). Optionally with flip test-time augmentation."""
 
 from __future__ import annotations
 
@@ -22,11 +22,21 @@ def correct_counts(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ..
     return hits[:, [min(k, k_max) - 1 for k in ks]].sum(dim=0)
 
 
+def mirror_averaged_logits(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """FFCV's lr_tta: the logits of the images and of their horizontal mirrors, averaged (FFCV
+    sums them: the same ranking, but its loss is that of doubled logits). NCHW: width is dim
+    3, channels_last or not. Averaged in at least float32, where bf16 would round the mean."""
+    first, mirrored = model(images), model(images.flip(3))
+    dtype = torch.promote_types(first.dtype, torch.float32)
+    return (first.to(dtype) + mirrored.to(dtype)) / 2
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precision,
-             sync: GradientSync, on_skipped: Callable[[list[Skipped]], None] | None = None
-             ) -> dict:
+             sync: GradientSync, on_skipped: Callable[[list[Skipped]], None] | None = None,
+             flip_tta: bool = False) -> dict:
     """Metrics over the whole val set; this worker's unreadable images go to `on_skipped`.
+    `flip_tta`: rate the mean logits of each image and its mirror (mirror_averaged_logits).
     Sums stay on the device until the one reduction at the end; image counts are known on
     the host."""
     model.eval()
@@ -41,7 +51,8 @@ def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precis
         if not len(batch):
             continue
         with precision.autocast():
-            logits = model(batch.images)
+            logits = (mirror_averaged_logits(model, batch.images) if flip_tta
+                      else model(batch.images))
         loss_sum += nn.functional.cross_entropy(logits.float(), batch.labels, reduction="sum")
         correct += correct_counts(logits, batch.labels)
         images += len(batch)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from app.data.pipeline import DeviceBatch
@@ -44,3 +45,41 @@ def test_evaluate_on_an_empty_val_set_reports_zero_images():
     metrics = evaluate(Fixed(), [], precision, LocalSync())
     assert metrics["val/images"] == 0 and metrics["val/skipped"] == 0
     assert math.isnan(metrics["val/top1"]) and math.isnan(metrics["val/loss"])
+
+
+def test_flip_tta_rates_the_mean_of_the_image_and_mirror_logits():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 6, 7)).double()
+    images, labels = torch.randn(2, 9, 3, 4, 6, dtype=torch.float64), torch.randint(0, 7, (2, 9))
+    precision = Precision.from_config("off", False, "cpu", "float64")
+    metrics = evaluate(model, [DeviceBatch(x, y) for x, y in zip(images, labels)], precision,
+                       LocalSync(), flip_tta=True)
+    with torch.no_grad():
+        x, y = images.flatten(0, 1), labels.flatten()
+        logits = (model(x) + model(x.flip(-1))) / 2  # the mirror: width reversed
+        assert not torch.allclose(logits, model(x))  # the model is not flip-symmetric
+        hits = correct_counts(logits, y).double() / len(y)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+    assert (metrics["val/top1"], metrics["val/top5"]) == tuple(hits.tolist())
+    assert metrics["val/loss"] == pytest.approx(loss.item(), rel=1e-6)  # summed in float32
+    assert metrics["val/images"] == 18
+
+
+class LeftColumn(torch.nn.Module):
+    """Predicts class = the top-left pixel's value, more confidently for larger values."""
+
+    def forward(self, images):
+        value = images[:, 0, 0, 0]
+        return torch.nn.functional.one_hot(value.long(), 4).float() * (value[:, None] + 1)
+
+
+def test_flip_tta_can_change_the_prediction():
+    # left 0, right 2: alone the image says class 0 (logit 1); its mirror says class 2 (logit
+    # 3), which wins the mean.
+    images = torch.tensor([[0.0, 2.0]]).expand(1, 3, 1, 2)
+    batches = [DeviceBatch(images, torch.tensor([2]))]
+    precision = Precision.from_config("off", False, "cpu")
+    plain = evaluate(LeftColumn(), batches, precision, LocalSync())
+    tta = evaluate(LeftColumn(), batches, precision, LocalSync(), flip_tta=True)
+    assert (plain["val/top1"], tta["val/top1"]) == (0.0, 1.0)
+    assert tta["val/loss"] < plain["val/loss"]
