@@ -74,6 +74,18 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class AugmentConfig:
+    """Training and evaluation recipes beyond the crop and flip of every image."""
+    ra_sampler: bool = param(False, "whether to use Repeated Augmentation in training: an "
+                             "epoch takes 1/ra_reps of the images, ra_reps times each, the "
+                             "copies on different devices")
+    ra_reps: int = param(3, "number of repetitions for Repeated Augmentation",
+                         check=at_least(1))
+    val_flip_tta: bool = param(False, "evaluate on the mean of the logits of each val image "
+                               "and its horizontal mirror (FFCV's lr_tta)")
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     arch: str = param(
         "resnet34", "model name: any timm name (resnet18/34/50/101/152, ...) or resnet18_small "
@@ -189,6 +201,7 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

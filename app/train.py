@@ -288,7 +288,8 @@ class Trainer:
     def evaluate(self) -> dict:
         epoch = self.position.epoch + 1  # the epoch this evaluation ends
         return evaluate(self.model, self.val_data.epoch(0), self.precision, self.sync,
-                        on_skipped=lambda images: self.skipped.add(epoch, "val", images))
+                        on_skipped=lambda images: self.skipped.add(epoch, "val", images),
+                        flip_tta=self.job.config.augment.val_flip_tta)
 
     def evaluate_and_log(self) -> dict:
         metrics = self.evaluate()
@@ -306,9 +307,12 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
     config = job.config
     form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
     batch_size, workers = config.train.batch_size, config.data.workers
+    augment = config.augment  # --ra-reps counts only with --ra-sampler, as in torchvision
+    repetitions = augment.ra_reps if augment.ra_sampler else 1
     train = PipelineSpec(job.root, job.tables.train, TrainRecipe(job.image_size),
                          ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
-                                        world_size=env.world_size, seed=config.train.seed),
+                                        world_size=env.world_size, seed=config.train.seed,
+                                        repetitions=repetitions),
                          workers, form)
     val = PipelineSpec(job.root, job.tables.val, EvalRecipe(job.image_size),
                        ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,

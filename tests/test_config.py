@@ -50,6 +50,7 @@ def test_help_says_batch_size_is_per_device():
     ("[train]\nepochs = 'ten'\n", "train.epochs: expected a whole number"),
     ("[optim]\nschedule = 'linear'\n", "must be one of cosine, step"),
     ("[train]\nepochs = 0\n", "train.epochs must be at least 1"),
+    ("[augment]\nra_reps = 0\n", "augment.ra_reps must be at least 1"),
     ("[train]\nepochs = \n", "line 2"),
 ])
 def test_bad_config_files_name_file_and_key(tmp_path, text, fragment):

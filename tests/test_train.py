@@ -140,6 +140,22 @@ def test_resume_from_last_pt_continues_exactly(tmp_path):
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 30
 
 
+def test_repeated_augmentation_and_flip_tta_reach_training_and_evaluation(tmp_path):
+    job = train_in_process(tmp_path, "--epochs", "1", "--ra-sampler", "--val-flip-tta",
+                           "--run-name", "recipes")
+    metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
+    assert metrics["train/images"] == 320 // 3 * 3  # 106 of the 320 images, 3 copies each
+    assert metrics["val/images"] == 100 and 0 <= metrics["val/top1"] <= 1
+    last = str(tmp_path / "recipes" / "checkpoints" / "last.pt")
+
+    def evaluated(*flags) -> dict:
+        again = train_in_process(tmp_path, "-e", "--resume", last, *flags)
+        return train_worker(again, WorkerEnv(), LocalSync(), NullLogger()).metrics
+    # the epoch's val metrics were the flip-averaged ones
+    assert evaluated("--val-flip-tta")["val/loss"] == pytest.approx(metrics["val/loss"])
+    assert evaluated()["val/loss"] != pytest.approx(metrics["val/loss"])
+
+
 class CrashAtFirstLog(NullLogger):
     """Stands in for a crash before the first checkpoint."""
 
