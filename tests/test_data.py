@@ -131,16 +131,26 @@ def test_each_copy_has_its_own_augmentation_seed_whatever_the_worker():
     assert all(plain[i] in s for i, s in seeds.items())  # copy 0: the seed without repeats
 
 
-def test_repeated_augmentation_resumes_mid_epoch_and_splits_the_global_batch_of_one():
-    one = repeated(103, 20, 1)[0]
-    halves = repeated(103, 10, 2)
-    later = repeated(103, 10, 2)[1]
-    for b in [one, *halves]:
-        b.set_epoch(2)
+def test_repeated_augmentation_resumes_mid_epoch():
+    full, later = repeated(103, 10, 2)[1], repeated(103, 10, 2)[1]
+    full.set_epoch(2)
     later.set_epoch(2, start_step=4)
-    assert list(later) == list(halves[1])[4:] and len(later) == len(halves[1]) - 4
-    for whole, a, b in zip(list(one), list(halves[0]), list(halves[1])):
-        assert whole == a + b
+    assert list(later) == list(full)[4:] and len(later) == len(full) - 4
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_workers_split_exactly_the_repeated_global_batch_of_one(world_size):
+    """What keeps N workers x batch b equal to one worker x batch N*b under --ra-sampler
+    (the driver-level check, as in tests/test_parallel.py, takes ~2 minutes here)."""
+    one = repeated(103, 5 * world_size, 1)
+    parts = repeated(103, 5, world_size)
+    for epoch in (0, 3):
+        for b in one + parts:
+            b.set_epoch(epoch)
+        steps = steps_of(parts)
+        assert len(steps) == len(one[0])
+        for (whole,), step in zip(steps_of(one), steps):
+            assert whole == sum(step, [])
 
 
 def test_random_resized_crop_boxes_respect_scale_and_ratio():
