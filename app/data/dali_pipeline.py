@@ -56,10 +56,20 @@ class DaliPipeline:
     def steps_per_epoch(self) -> int:
         return self.spec.batches.steps_per_epoch()
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
-        epoch = epoch if self.spec.batches.shuffle else 0  # every val pass is the same
+    def open(self, epoch: int, start_step: int = 0) -> None:
+        """Builds the pipeline that delivers `start_step` of `epoch` first, unless that one is
+        built already: DALI's threads, the decoder's preallocated GPU and pinned buffers and
+        the reader processes exist from here on."""
+        epoch = self.pass_of(epoch)
         if self.next != (epoch, start_step):
             self.build(epoch, start_step)
+
+    def pass_of(self, epoch: int) -> int:
+        return epoch if self.spec.batches.shuffle else 0  # every val pass is the same
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
+        epoch = self.pass_of(epoch)
+        self.open(epoch, start_step)
         for step in range(start_step, self.steps_per_epoch()):
             try:
                 outputs = self.pipe.run()
