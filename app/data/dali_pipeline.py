@@ -26,6 +26,7 @@ from nvidia.dali import Pipeline, fn, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from app.data.dali_memory import decoder_memory
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import ImageDataset, collate
@@ -37,10 +38,6 @@ log = logging.getLogger("imagenet_dp")
 READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64, types.INT64,
                 types.UINT8]  # bytes, anchor, shape, mirror, label, row, reason
 BATCHES_AHEAD = 2  # per reader process
-# The mixed decoder's memory, allocated once instead of growing with the largest image seen
-# (the sizes NVIDIA's own ResNet-50 pipeline uses for ImageNet).
-DEVICE_MEMORY_PADDING = 211_025_920
-HOST_MEMORY_PADDING = 140_544_512
 LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
 
 
@@ -52,6 +49,10 @@ class DaliPipeline:
         self.next: tuple[int, int] | None = None  # (epoch, step) the built pipeline delivers
         self.fallback: ImageDataset | None = None
         self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
+        # the decoder's threads and buffers, sized for this split (app/data/dali_memory.py);
+        # a fixed order marks the evaluation pass
+        self.memory = decoder_memory("train" if spec.batches.shuffle else "val",
+                                     spec.batches.batch_size, spec.workers)
 
     def steps_per_epoch(self) -> int:
         return self.spec.batches.steps_per_epoch()
@@ -92,7 +93,7 @@ class DaliPipeline:
         device = spec.form.device
         on_gpu = device.type == "cuda"
         self.pipe = Pipeline(batch_size=max(1, spec.batches.batch_size),
-                             num_threads=max(1, spec.workers),
+                             num_threads=self.memory.threads,
                              device_id=(device.index or 0) if on_gpu else None,
                              py_num_workers=max(1, math.ceil(spec.workers / 2)),
                              py_start_method="spawn", prefetch_queue_depth=2)
@@ -123,12 +124,12 @@ class DaliPipeline:
         """The hardware JPEG decoder (the rest on CUDA): `hw_decoder_load` 1.0 sends every
         image it can take there, so which decoder an image meets does not depend on its batch;
         `affine=False` leaves the cores unpinned for the other workers of the machine;
-        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow."""
+        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow; per-thread
+        buffers as this split's sizing says."""
         width, height = LARGEST_IMAGE
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
-                "device_memory_padding": DEVICE_MEMORY_PADDING,
-                "host_memory_padding": HOST_MEMORY_PADDING, "affine": False,
+                **self.memory.decoder_options(), "affine": False,
                 "jpeg_fancy_upsampling": True}
 
     def to_batch(self, images, labels, rows, reasons) -> DeviceBatch:
