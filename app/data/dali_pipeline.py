@@ -72,15 +72,16 @@ class DaliPipeline:
         epoch = self.pass_of(epoch)
         self.open(epoch, start_step)
         for step in range(start_step, self.steps_per_epoch()):
+            stream = self.consumer_stream()
             try:
-                outputs = self.pipe.run()
+                outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
             except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
                 self.build(epoch, step + 1)
             else:
-                batch = self.to_batch(*outputs)
+                batch = self.to_batch(*outputs, stream)
             self.next = (epoch, step + 1)
             yield batch
         self.end_epoch(epoch)
@@ -132,16 +133,25 @@ class DaliPipeline:
                 **self.memory.decoder_options(), "affine": False,
                 "jpeg_fancy_upsampling": True}
 
-    def to_batch(self, images, labels, rows, reasons) -> DeviceBatch:
+    def consumer_stream(self) -> torch.cuda.Stream | None:
+        """Where DALI hands its outputs over. On a GPU, torch's current stream: DALI 2.4's
+        `Pipeline.run(cuda_stream=None, /)` says "If provided, the outputs are returned on this
+        stream. If skipped, the results are host-synchronous", and `outputs()` that they are
+        "bound" to it. So the stream, not the host, waits for DALI's GPU work of the batch, and
+        the copies below queue behind it on the same stream. It needs DALI's default (dynamic)
+        executor, which this pipeline uses. On a CPU: None, run() as before."""
+        device = self.spec.form.device
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def to_batch(self, images, labels, rows, reasons, stream) -> DeviceBatch:
         """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
-        the copy is queued on torch's stream after DALI's work), the placeholders dropped."""
+        the copy is queued on `stream`, torch's, without a host wait), the placeholders
+        dropped. The rows and reasons are CPU outputs, ready on the host when run() returns."""
         form, count, size = self.spec.form, len(rows), self.spec.recipe.size
         shape = (count, size, size, 3) if self.layout() == "HWC" else (count, 3, size, size)
         pixels = torch.empty(shape, dtype=torch.float32, device=form.device)
         targets = torch.empty(count, dtype=torch.int64, device=form.device)
         if count:
-            stream = torch.cuda.current_stream(form.device) if form.device.type == "cuda" \
-                else None
             feed_ndarray(images.as_tensor(), pixels, cuda_stream=stream)
             feed_ndarray(labels.as_tensor(), targets, cuda_stream=stream)
         why = [bytes(reasons.at(i)).decode("utf-8") for i in range(count)]
