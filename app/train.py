@@ -5,7 +5,8 @@ The loop reads top to bottom: fetch a batch, step, log every print_freq steps, p
 save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
 forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
 `precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
-on the device and are fetched every print interval, not every step.
+on the device and are fetched every print interval, not every step. Both input pipelines are
+opened before the first step, so what they reserve for the run is taken at its start.
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ class Trainer:
     # --- the loop --------------------------------------------------------------------------
 
     def fit(self) -> Outcome:
+        self.open_pipelines()
         self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
         metrics: dict = {}
         while self.position.epoch < self.job.config.train.epochs:
@@ -193,6 +195,15 @@ class Trainer:
                 return Stopped(self.position.step)
             metrics = self.end_epoch(started)
         return Finished(metrics)
+
+    def open_pipelines(self) -> None:
+        """Both pipelines take what they hold for the run now, at the positions they will
+        first be asked for (train where training goes on, val at its one pass): out of memory
+        then ends the run before its first step, not at the first evaluation, after training
+        has grown torch's allocator."""
+        if self.position.epoch < self.job.config.train.epochs:
+            self.train_data.open(self.position.epoch, self.position.epoch_step)
+            self.val_data.open(0)
 
     def train_epoch(self) -> bool:
         """Train the rest of the current epoch; False when stopped on request."""

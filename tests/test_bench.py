@@ -5,8 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from app.bench import dali_reserve
 from conftest import REPO
 
 
@@ -35,12 +37,17 @@ def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):
     assert "test_no_host_sync_inside_a_training_step[off]" in tests
     assert any(name.startswith("test_two_gpus_match_one") for name in tests)
     assert report["environment"]["versions"]["torch"] == torch.__version__
+    dali = report["dali_memory"]  # the defaults: 8 threads, batch 256
+    assert dali["expected"]["train"]["gpu_bytes"] == 8 * 211_025_920
+    assert dali["expected"]["val"]["pinned_bytes"] == 2 * 8 * 2**23
     if torch.cuda.is_available():  # on a GPU machine: its own verdict
         assert (result.returncode == 0) == (report["verdict"] == "ok")
         return
     assert result.returncode == 2 and report["verdict"] == "no CUDA GPU"
     assert {t["outcome"] for t in tests.values()} == {"skipped"}
     assert report["throughput"] is None and report["environment"]["gpus"] == []
+    assert dali["measured"] is None and dali["why_not"] == "no CUDA GPU"
+    assert "train: expected GPU 1,610 MiB, pinned 2,145 MiB (8 threads)" in result.stdout
     assert "verdict: no CUDA GPU" in result.stdout
 
 
@@ -58,3 +65,22 @@ def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
     assert ours["ratio_to_peer"] == ours["images_per_s"] / peer["images_per_s"]
     assert ours["share_of_model_only"] == ours["images_per_s"] / \
         data["model_only"]["images_per_s"]
+
+
+def test_dali_reservations_subtract_torchs_own_allocations():
+    before = {"gpu_free": 10_000, "torch_reserved": 100, "host_rss": 5_000, "host_pinned_vm": 0}
+    after = {"gpu_free": 6_000, "torch_reserved": 1_100, "host_rss": 9_000, "host_pinned_vm": 0}
+    assert dali_reserve.difference(before, after) == {
+        "gpu_bytes": 3_000, "host_rss_bytes": 4_000, "host_pinned_vm_bytes": 0}
+    assert dali_reserve.host_memory()["host_rss"] > 0
+
+
+def test_dali_reservations_are_measured_with_the_cpu_operators_too():
+    """The measurement's code path (open, first batch, close) as gpu-check runs it, on a CPU:
+    host figures only."""
+    pytest.importorskip("nvidia.dali")
+    measured = dali_reserve.measure(threads=2, batch_size=8, device=torch.device("cpu"))
+    for split in ("train", "val"):
+        assert measured[split]["first_batch_images"] == 8
+        assert "gpu_bytes" not in measured[split]["build"]
+        assert isinstance(measured[split]["build"]["host_rss_bytes"], int)

@@ -20,11 +20,18 @@ pytest.importorskip("nvidia.dali")  # noqa: E402 (a machine without DALI trains 
 from app.data.augment import EvalRecipe, TrainRecipe  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
+from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
 from app.data.pipeline import InputFormat, PipelineSpec  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
+from app.config_sources import parse_config  # noqa: E402
+from app.devices import WorkerEnv  # noqa: E402
+from app.interrupts import Action  # noqa: E402
+from app.parallel import LocalSync  # noqa: E402
+from app.run import prepare_job, write_run_folder  # noqa: E402
 from app.storage import DatasetRoot  # noqa: E402
 from app.tables import load_tables  # noqa: E402
+from app.train import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
 from test_reliability import last, stop_with_sigterm_after  # noqa: E402
 
@@ -190,3 +197,46 @@ def test_dali_trains_the_tiny_sample_and_resumes_bit_identically(tmp_path):
     assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (3, 30)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+class FirstPoll:
+    """Requests that note which pipelines were built by the poll before the first step."""
+
+    def __init__(self, built: list):
+        self.built, self.seen = built, None
+
+    def poll(self, rank, step):
+        if self.seen is None:
+            self.seen = list(self.built)
+        return Action()
+
+
+def test_the_trainer_builds_both_pipelines_before_the_first_step_and_never_again(
+        tmp_path, monkeypatch):
+    """Train at the position training goes on from (here mid-epoch 2, as after a resume), val
+    at its one pass; the rest of the epoch and the evaluation reuse them (later evaluations
+    reuse val's: test_a_short_last_batch_is_kept)."""
+    built = []
+    build = DaliPipeline.build
+
+    def counted(pipeline, epoch, step):
+        built.append(("train" if pipeline.spec.batches.shuffle else "val", epoch, step))
+        build(pipeline, epoch, step)
+    monkeypatch.setattr(DaliPipeline, "build", counted)
+    config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-j", "1", "--epochs", "2",
+                              "--decoder", "dali", "--output-dir", str(tmp_path),
+                              "--run-name", "opened"])
+    job = prepare_job(config)
+    write_run_folder(job)
+    requests = FirstPoll(built)
+    trainer = Trainer(job, WorkerEnv(), LocalSync(), requests=requests)
+    try:
+        assert built == []  # constructing builds nothing: the position may still change
+        trainer.position = Position(epoch=1, epoch_step=6, step=16)
+        outcome = trainer.fit()
+    finally:
+        trainer.close()
+    assert requests.seen == [("train", 1, 6), ("val", 0, 0)]
+    assert built == requests.seen  # 4 steps and an evaluation later
+    assert isinstance(outcome, Finished) and outcome.metrics["epoch"] == 2
+    assert outcome.metrics["val/images"] == 100

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from app import sample, tables
 from app.storage import DatasetRoot
 from app.data.augment import EvalRecipe, TrainRecipe, center_crop_box, random_resized_crop_box
+from app.data.dali_memory import decoder_memory
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import BatchRequest, ReadAhead, build_loader
@@ -307,3 +308,21 @@ def test_read_ahead_announces_what_the_same_loader_process_gets_next(workers):
         for k, request in enumerate(mine):
             assert request.upcoming == [row for later in mine[k + 1:k + 3]
                                         for row, _ in later.items]
+
+
+def test_dali_decoder_memory_is_per_thread_and_sized_for_each_split():
+    train = decoder_memory("train", batch_size=256, threads=8)
+    assert train.decoder_options() == {"device_memory_padding": 211_025_920,
+                                       "host_memory_padding": 140_544_512}  # NVIDIA's
+    # one GPU buffer and two pinned host buffers per thread: 1.69 GB and 2.25 GB
+    assert (train.threads, train.device_bytes, train.pinned_bytes) == (8, 1_688_207_360,
+                                                                       2_248_712_192)
+    val = decoder_memory("val", batch_size=256, threads=8)  # DALI's 16 MiB and 8 MiB
+    assert (val.threads, val.device_bytes, val.pinned_bytes) == (8, 128 * 2**20, 128 * 2**20)
+    # threads beyond the batch's images would never decode: they get no buffers
+    small = decoder_memory("val", batch_size=3, threads=8)
+    assert (small.threads, small.device_bytes, small.pinned_bytes) == (3, 48 * 2**20,
+                                                                       48 * 2**20)
+    assert decoder_memory("train", batch_size=32, threads=0).threads == 1  # -j 0
+    with pytest.raises(KeyError):
+        decoder_memory("test", 32, 4)

@@ -185,3 +185,52 @@ def test_dali_on_the_gpu_gives_pillows_batches(tiny_sample):
         assert torch.equal(a.labels, b.labels)
         pixels = ((a.images - b.images) * std).abs()
         assert pixels.mean() <= 2.0 and pixels.mean(dim=(1, 2, 3)).max() <= 6.0
+
+
+@pytest.mark.gpu
+def test_dali_hands_its_batches_over_on_torchs_current_stream(tiny_sample, monkeypatch,
+                                                             caplog):
+    """run() gets torch's current stream (the stream, not the host, waits for DALI's GPU
+    work), also when that is a side stream; the batches are those made on the default
+    stream, to the bit (the same decoder reads the same images). A run() that refused the
+    stream would raise, and the batch would be redone with Pillow: no such warning either."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import Pipeline
+    from app.data.augment import EvalRecipe
+    from app.data.decoders import build_pipeline
+    from app.data.pipeline import InputFormat, PipelineSpec
+    from app.data.sampler import ShardedBatches
+    from app.storage import DatasetRoot
+    from app.tables import load_tables
+    handed = []
+    run = Pipeline.run
+
+    def recorded(pipe, *args, **kwargs):
+        handed.append(args[0] if args else None)
+        return run(pipe, *args, **kwargs)
+    monkeypatch.setattr(Pipeline, "run", recorded)
+    root = DatasetRoot("tiny", str(tiny_sample))
+    frame = load_tables(root).val
+    form = InputFormat(torch.device("cuda:0"), torch.float32, channels_last=True)
+    spec = PipelineSpec(root, frame, EvalRecipe(32), ShardedBatches(len(frame), 32,
+                                                                    shuffle=False), 2, form)
+    pipeline = build_pipeline("dali", spec)
+    side = torch.cuda.Stream("cuda:0")
+    try:
+        with caplog.at_level("WARNING", logger="imagenet_dp"):
+            default = [(b.images.cpu(), b.labels.cpu()) for b in pipeline.epoch(0)]
+            on_default = [s for s in handed if s is not None]  # end_epoch's run() has none
+            handed.clear()
+            with torch.cuda.stream(side):
+                batches = list(pipeline.epoch(0))
+            side.synchronize()
+            on_side = [s for s in handed if s is not None]
+    finally:
+        pipeline.close()
+    assert "DALI failed" not in caplog.text
+    assert len(on_default) == len(on_side) == len(default) == 4  # 100 images, batches of 32
+    assert all(s == torch.cuda.default_stream("cuda:0") for s in on_default)
+    assert all(s == side for s in on_side)
+    for (images, labels), batch in zip(default, batches):
+        assert torch.equal(images, batch.images.cpu()) and torch.equal(labels,
+                                                                       batch.labels.cpu())

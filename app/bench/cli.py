@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DALI decodes on the GPU)")
     loader.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
                         "loader baseline")
-    check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests and a "
-                                "throughput probe, one JSON report")
+    check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests, what "
+                                "each DALI pipeline reserves and a throughput probe, one JSON "
+                                "report")
     check.add_argument("--quick", action="store_true", help="probe without torch.compile")
     check.add_argument("--no-probe", action="store_true", help="only the tests")
     check.add_argument("-k", "--select", default="", help="only the gpu tests matching this "
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-n", "--parallel", type=int, default=4, help="test processes sharing "
                        "the GPU (needs pytest-xdist; 1 = one after the other)")
     check.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds")
+    check.add_argument("--dali-threads", type=int, default=8, help="decoding threads (-j) of "
+                       "the DALI pipelines whose memory is measured")
+    check.add_argument("--dali-batch", type=int, default=256, help="their batch size")
+    check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
+                       help="the generated sample they read (bench: ImageNet-sized images; "
+                       "the first batch's memory depends on it, the build's does not)")
     for sub in (e2e, model, sync, loader):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
@@ -108,7 +115,9 @@ def main(argv: list[str]) -> int:
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,
-                                 args.tests_timeout, args.parallel, args.select)
+                                 args.tests_timeout, args.parallel, args.select,
+                                 bench.DaliSetup(args.dali_threads, args.dali_batch,
+                                                 args.dali_sample))
     print(bench.format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

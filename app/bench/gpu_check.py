@@ -1,5 +1,6 @@
-"""One command that checks a GPU machine: what it is, whether the `gpu` tests pass on it and
-how fast the model trains there, in one JSON report.
+"""One command that checks a GPU machine: what it is, whether the `gpu` tests pass on it, what
+each DALI pipeline reserves (app/bench/dali_reserve.py) and how fast the model trains there, in
+one JSON report.
 
 It needs only an interpreter with the training dependencies (torch, torchvision, timm, pandas,
 fsspec, Pillow, numpy, tomli_w) and pytest: no `make setup`, no network, whatever versions the
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.errors import UserError
@@ -118,14 +120,27 @@ def probe(quick: bool) -> dict:
                      settings=settings)
 
 
+@dataclass(frozen=True)
+class DaliSetup:
+    """The pipelines whose reservations are measured: per-worker decoding threads (-j) and
+    batch size, on a generated sample."""
+    threads: int = 8
+    batch_size: int = 256
+    sample: str = "tiny"
+
+
 def run(out: Path, quick: bool, probe_too: bool, tests_timeout_s: float, parallel: int,
-        select: str) -> tuple[dict, int]:
+        select: str, dali: DaliSetup = DaliSetup()) -> tuple[dict, int]:
     """The report, and the exit code: 0 when a GPU is there and every gpu test passed."""
     check_requirements()
+    from app.bench import dali_reserve  # noqa: PLC0415 (imports torch)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment()}
     out.parent.mkdir(parents=True, exist_ok=True)
     report["tests"] = run_tests(out.parent, tests_timeout_s, parallel, select)
     has_gpu = bool(report["environment"]["gpus"])
+    # before the probe, which grows torch's allocator in this process
+    report["dali_memory"] = dali_reserve.run(dali.threads, dali.batch_size, has_gpu,
+                                             dali.sample)
     report["throughput"] = probe(quick) if has_gpu and probe_too else None
     counts = report["tests"]["counts"]
     ok = has_gpu and report["tests"]["exit_code"] == 0 and counts["passed"] > 0 and \
@@ -142,6 +157,8 @@ def format_report(report: dict) -> str:
              f"gpu tests: {tests['counts']} in {tests['seconds']} s"]
     lines += [f"  {t['outcome']:<8}{t['name']}  {t['message']}" for t in tests["tests"]
               if t["outcome"] != "passed"]
+    from app.bench.dali_reserve import format_lines  # noqa: PLC0415
+    lines += format_lines(report["dali_memory"])
     if report["throughput"]:
         from app.bench.model import format_report as model_report  # noqa: PLC0415
         lines.append(model_report(report["throughput"]))

@@ -26,6 +26,7 @@ from nvidia.dali import Pipeline, fn, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from app.data.dali_memory import decoder_memory
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import ImageDataset, collate
@@ -37,10 +38,6 @@ log = logging.getLogger("imagenet_dp")
 READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64, types.INT64,
                 types.UINT8]  # bytes, anchor, shape, mirror, label, row, reason
 BATCHES_AHEAD = 2  # per reader process
-# The mixed decoder's memory, allocated once instead of growing with the largest image seen
-# (the sizes NVIDIA's own ResNet-50 pipeline uses for ImageNet).
-DEVICE_MEMORY_PADDING = 211_025_920
-HOST_MEMORY_PADDING = 140_544_512
 LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
 
 
@@ -52,24 +49,39 @@ class DaliPipeline:
         self.next: tuple[int, int] | None = None  # (epoch, step) the built pipeline delivers
         self.fallback: ImageDataset | None = None
         self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
+        # the decoder's threads and buffers, sized for this split (app/data/dali_memory.py);
+        # a fixed order marks the evaluation pass
+        self.memory = decoder_memory("train" if spec.batches.shuffle else "val",
+                                     spec.batches.batch_size, spec.workers)
 
     def steps_per_epoch(self) -> int:
         return self.spec.batches.steps_per_epoch()
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
-        epoch = epoch if self.spec.batches.shuffle else 0  # every val pass is the same
+    def open(self, epoch: int, start_step: int = 0) -> None:
+        """Builds the pipeline that delivers `start_step` of `epoch` first, unless that one is
+        built already: DALI's threads, the decoder's preallocated GPU and pinned buffers and
+        the reader processes exist from here on."""
+        epoch = self.pass_of(epoch)
         if self.next != (epoch, start_step):
             self.build(epoch, start_step)
+
+    def pass_of(self, epoch: int) -> int:
+        return epoch if self.spec.batches.shuffle else 0  # every val pass is the same
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
+        epoch = self.pass_of(epoch)
+        self.open(epoch, start_step)
         for step in range(start_step, self.steps_per_epoch()):
+            stream = self.consumer_stream()
             try:
-                outputs = self.pipe.run()
+                outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
             except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
                 self.build(epoch, step + 1)
             else:
-                batch = self.to_batch(*outputs)
+                batch = self.to_batch(*outputs, stream)
             self.next = (epoch, step + 1)
             yield batch
         self.end_epoch(epoch)
@@ -82,7 +94,7 @@ class DaliPipeline:
         device = spec.form.device
         on_gpu = device.type == "cuda"
         self.pipe = Pipeline(batch_size=max(1, spec.batches.batch_size),
-                             num_threads=max(1, spec.workers),
+                             num_threads=self.memory.threads,
                              device_id=(device.index or 0) if on_gpu else None,
                              py_num_workers=max(1, math.ceil(spec.workers / 2)),
                              py_start_method="spawn", prefetch_queue_depth=2)
@@ -113,24 +125,33 @@ class DaliPipeline:
         """The hardware JPEG decoder (the rest on CUDA): `hw_decoder_load` 1.0 sends every
         image it can take there, so which decoder an image meets does not depend on its batch;
         `affine=False` leaves the cores unpinned for the other workers of the machine;
-        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow."""
+        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow; per-thread
+        buffers as this split's sizing says."""
         width, height = LARGEST_IMAGE
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
-                "device_memory_padding": DEVICE_MEMORY_PADDING,
-                "host_memory_padding": HOST_MEMORY_PADDING, "affine": False,
+                **self.memory.decoder_options(), "affine": False,
                 "jpeg_fancy_upsampling": True}
 
-    def to_batch(self, images, labels, rows, reasons) -> DeviceBatch:
+    def consumer_stream(self) -> torch.cuda.Stream | None:
+        """Where DALI hands its outputs over. On a GPU, torch's current stream: DALI 2.4's
+        `Pipeline.run(cuda_stream=None, /)` says "If provided, the outputs are returned on this
+        stream. If skipped, the results are host-synchronous", and `outputs()` that they are
+        "bound" to it. So the stream, not the host, waits for DALI's GPU work of the batch, and
+        the copies below queue behind it on the same stream. It needs DALI's default (dynamic)
+        executor, which this pipeline uses. On a CPU: None, run() as before."""
+        device = self.spec.form.device
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def to_batch(self, images, labels, rows, reasons, stream) -> DeviceBatch:
         """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
-        the copy is queued on torch's stream after DALI's work), the placeholders dropped."""
+        the copy is queued on `stream`, torch's, without a host wait), the placeholders
+        dropped. The rows and reasons are CPU outputs, ready on the host when run() returns."""
         form, count, size = self.spec.form, len(rows), self.spec.recipe.size
         shape = (count, size, size, 3) if self.layout() == "HWC" else (count, 3, size, size)
         pixels = torch.empty(shape, dtype=torch.float32, device=form.device)
         targets = torch.empty(count, dtype=torch.int64, device=form.device)
         if count:
-            stream = torch.cuda.current_stream(form.device) if form.device.type == "cuda" \
-                else None
             feed_ndarray(images.as_tensor(), pixels, cuda_stream=stream)
             feed_ndarray(labels.as_tensor(), targets, cuda_stream=stream)
         why = [bytes(reasons.at(i)).decode("utf-8") for i in range(count)]

@@ -156,6 +156,13 @@ class PillowPipeline:
             spec.root, spec.frame, spec.recipe, spec.batches, spec.workers,
             pin_memory=spec.form.device.type == "cuda")
 
+    def open(self, epoch: int, start_step: int = 0) -> None:
+        """Nothing to take in advance: batches are pinned and moved through torch's caching
+        allocators, which the first steps grow to their steady size whichever pipeline asks,
+        and nothing is reserved per pipeline. Starting the loader processes now would decode
+        batches to throw away: the first epoch's iterator, with persistent workers, drains
+        what they had prefetched for a position set before it."""
+
     def steps_per_epoch(self) -> int:
         return self.batches.steps_per_epoch()
 

@@ -7,8 +7,12 @@ normalised images in the model's dtype and memory format, labels, and the images
 come from ShardedBatches and the recipe's plan(), so every implementation yields the same
 batches for the same (seed, epoch).
 
+A pipeline is opened before the first training step (`open`): whatever it reserves for the
+whole run (DALI: its decoder's buffers on the GPU and in pinned host memory) is taken then, so a
+shortage ends the run at its start rather than at the first evaluation, an epoch in.
+
 Implementations, chosen by name with `data.decoder` (app/data/decoders.py): Pillow in a
-DataLoader (app/data/pillow_pipeline.py).
+DataLoader (app/data/pillow_pipeline.py), NVIDIA DALI (app/data/dali_pipeline.py).
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class PipelineSpec:
 
 
 class InputPipeline(Protocol):
+    def open(self, epoch: int, start_step: int = 0) -> None:
+        """Allocate now what the pipeline will need, ready to deliver `start_step` of `epoch`
+        first: the `epoch` call that asks for that position reuses it."""
+
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
         """The batches of `epoch` from step `start_step` on."""
 

@@ -1,0 +1,161 @@
+"""What each DALI pipeline reserves when it is built, for gpu-check's report: the formula's
+expectation (app/data/dali_memory.py) beside what the machine shows.
+
+Built like a training worker builds them: train, then val, both kept, on a generated sample.
+- GPU: the drop in torch.cuda.mem_get_info's free memory (the whole device, so DALI's own pool
+  counts) around each pipeline's build, less what torch's allocator reserved meanwhile; and the
+  same around its first batch, when DALI allocates what it sizes from the data (outputs, the
+  resize's buffers, anything the decoder defers), which depends on the sample's image sizes.
+- Pinned host memory: DALI 2.4 reports none (nvidia.dali.backend has PreallocatePinnedMemory,
+  ReleaseUnusedMemory and growth factors, no usage counter; Pipeline.executor_statistics covers
+  operator outputs, under the legacy executor only). What is measured is this process's
+  VmRSS and VmPin (/proc/self/status): pinned buffers are resident pages of this process, so
+  they should show in VmRSS, beside whatever else the build allocates (reader processes are
+  separate and not counted).
+On a CPU the same code runs with CPU operators (no paddings, no GPU figures): the tests do so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app import sample
+from app.data.augment import EvalRecipe, TrainRecipe
+from app.data.dali_memory import decoder_memory
+from app.data.decoders import build_pipeline, dali_imports
+from app.data.pipeline import InputFormat, PipelineSpec
+from app.data.sampler import ShardedBatches
+from app.errors import first_line
+from app.storage import DatasetRoot
+from app.tables import load_tables
+
+SPLITS = ("train", "val")
+
+
+def expected(threads: int, batch_size: int) -> dict:
+    """Per split: the decoder's threads and paddings and what they reserve, in bytes."""
+    out = {}
+    for split in SPLITS:
+        memory = decoder_memory(split, batch_size, threads)
+        out[split] = {"threads": memory.threads, "device_padding": memory.device_padding,
+                      "host_padding": memory.host_padding, "gpu_bytes": memory.device_bytes,
+                      "pinned_bytes": memory.pinned_bytes}
+    return out
+
+
+def host_memory() -> dict:
+    """This process's resident and pinned memory in bytes ({} without /proc)."""
+    fields = {"VmRSS:": "host_rss", "VmPin:": "host_pinned_vm"}
+    out = {}
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                name, *value = line.split()
+                if name in fields and value:
+                    out[fields[name]] = int(value[0]) * 1024  # kB
+    except OSError:
+        pass
+    return out
+
+
+def snapshot(device: torch.device) -> dict:
+    values = host_memory()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        values["gpu_free"] = torch.cuda.mem_get_info(device)[0]
+        values["torch_reserved"] = torch.cuda.memory_reserved(device)
+    return values
+
+
+def difference(before: dict, after: dict) -> dict:
+    """Bytes taken between two snapshots (GPU: not counting torch's own allocator)."""
+    taken = {f"{key}_bytes": after[key] - before[key] for key in ("host_rss", "host_pinned_vm")
+             if key in before and key in after}
+    if "gpu_free" in before:
+        taken["gpu_bytes"] = (before["gpu_free"] - after["gpu_free"]) - \
+            (after["torch_reserved"] - before["torch_reserved"])
+    return taken
+
+
+def measure_pipeline(pipeline, device: torch.device) -> dict:
+    """Taken by the pipeline's build (open), then by its first batch."""
+    before = snapshot(device)
+    pipeline.open(0)
+    built = snapshot(device)
+    first = next(iter(pipeline.epoch(0)))
+    images = len(first)
+    del first
+    return {"build": difference(before, built), "first_batch": difference(built,
+                                                                          snapshot(device)),
+            "first_batch_images": images}
+
+
+def measure(threads: int, batch_size: int, device: torch.device, preset: str = "tiny") -> dict:
+    """Both pipelines built one after the other, as a worker does, on the `preset` sample."""
+    specs = sample_specs(threads, batch_size, device, preset)
+    pipelines, out = [], {}
+    try:
+        for split in SPLITS:
+            pipelines.append(build_pipeline("dali", specs[split]))
+            out[split] = measure_pipeline(pipelines[-1], device)
+    finally:
+        for pipeline in pipelines:
+            pipeline.close()
+        release_dali_pools()
+    return out
+
+
+def sample_specs(threads: int, batch_size: int, device: torch.device, preset: str) -> dict:
+    root = DatasetRoot(preset, str(sample.ensure(sample.default_cache_dir(), preset, 0)))
+    tables = load_tables(root)
+    form = InputFormat(device, torch.float32, channels_last=device.type == "cuda")
+    train = ShardedBatches(len(tables.train), batch_size, seed=0)
+    val = ShardedBatches(len(tables.val), batch_size, shuffle=False)
+    return {"train": PipelineSpec(root, tables.train, TrainRecipe(224), train, threads, form),
+            "val": PipelineSpec(root, tables.val, EvalRecipe(224), val, threads, form)}
+
+
+def release_dali_pools() -> None:
+    """DALI's pools keep what they took; give it back before the throughput probe runs."""
+    from nvidia.dali import backend  # noqa: PLC0415
+    backend.ReleaseUnusedMemory()
+
+
+def run(threads: int, batch_size: int, on_gpu: bool, preset: str = "tiny") -> dict:
+    """gpu-check's section: the expectation always, the measurement where there is a GPU and
+    DALI imports (its error, if building fails, rather than the whole report's)."""
+    report = {"threads": threads, "batch_size": batch_size, "sample": preset,
+              "formula": "GPU: threads x device padding; pinned host: 2 x threads x host padding",
+              "expected": expected(threads, batch_size), "measured": None, "why_not": None}
+    if not on_gpu:
+        report["why_not"] = "no CUDA GPU"
+    elif not dali_imports():
+        report["why_not"] = "NVIDIA DALI does not import"
+    else:
+        try:
+            report["measured"] = measure(threads, batch_size, torch.device("cuda:0"), preset)
+        except Exception as error:  # noqa: BLE001 (reported; the tests' verdict stands)
+            report["why_not"] = f"building failed: {first_line(error)}"
+    return report
+
+
+def format_lines(report: dict) -> list[str]:
+    lines = [f"DALI reservations per pipeline at {report['threads']} threads, batch "
+             f"{report['batch_size']} ({report['formula']}):"]
+    for split in SPLITS:
+        want = report["expected"][split]
+        line = (f"  {split}: expected GPU {mib(want['gpu_bytes'])}, pinned "
+                f"{mib(want['pinned_bytes'])} ({want['threads']} threads)")
+        got = (report["measured"] or {}).get(split)
+        if got:
+            line += (f"; measured at build: GPU {mib(got['build'].get('gpu_bytes'))}, host RSS "
+                     f"{mib(got['build'].get('host_rss_bytes'))}; first batch: GPU "
+                     f"{mib(got['first_batch'].get('gpu_bytes'))}")
+        lines.append(line)
+    if report["why_not"]:
+        lines.append(f"  not measured: {report['why_not']}")
+    return lines
+
+
+def mib(count: int | None) -> str:
+    return "n/a" if count is None else f"{count / 2**20:,.0f} MiB"
