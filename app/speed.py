@@ -6,12 +6,21 @@ graph that follows can replace the fast static one for every later step. Padding
 out either: padded images would enter the BatchNorm statistics. So full batches run the
 compiled graph and any other size runs the same module eagerly: one compilation per mode
 (train, eval) for the whole run, and the odd step costs eager speed only.
+
+What is compiled are regions, not the whole model: each block of a ResNet's stages. A compiled
+backward is one autograd node, so with the whole model compiled every parameter's gradient
+appeared at the very end of backward, and the parameter server's buckets (hooks on each
+parameter) could only leave then. With one node per block, a bucket leaves as soon as the blocks
+holding its parameters are done, while backward goes on with the earlier blocks, as in eager
+mode. Blocks of a stage share their code, so compiling them costs a few graphs, not a model's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from app import checkpoint
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
@@ -31,17 +40,57 @@ def configure_backends(device: torch.device, cudnn_benchmark: bool, tf32: bool) 
 
 class CompiledForFullBatches(nn.Module):
     """Wraps the module to train (bare, or as the GradientSync prepared it): full batches go
-    through torch.compile, others through the module itself. `.module` is the wrapped module,
-    so checkpoint.unwrap and every .parameters()/.buffers()/.train() see through it."""
+    through the compiled regions, others run the same module eagerly. `.module` is the wrapped
+    module, so checkpoint.unwrap and every .parameters()/.buffers()/.train() see through it;
+    regions are compiled in place (nn.Module.compile), so state_dict keys stay plain."""
 
     def __init__(self, module: nn.Module, batch_size: int, backend: str):
         super().__init__()
         self.module = module
         self.batch_size = batch_size
-        # Not a registered submodule: the compiled wrapper holds the same parameters.
-        self.__dict__["compiled"] = torch.compile(module, backend=backend)
+        # Not a registered submodule: it holds the same parameters (or is the module itself).
+        self.__dict__["compiled"] = compile_regions(module, backend)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.shape[0] == self.batch_size:
             return self.compiled(images)
-        return self.module(images)
+        with torch.compiler.set_stance("force_eager"):  # the regions live inside the module
+            return self.module(images)
+
+
+def compile_regions(module: nn.Module, backend: str) -> nn.Module:
+    """Compile every block of the model's stages in place and return `module`; a model
+    without stages is compiled whole (one region: its buckets leave after backward, and under
+    DDP dynamo's DDPOptimizer splits the graph at DDP's buckets instead).
+
+    The stem and the head stay eager: a ResNet's stem is one conv+bn+relu+maxpool and its head a
+    pool+linear, run once per step (~3% of ResNet-50's FLOPs at 224 px), and the stem's first
+    conv makes the last gradient of backward, after which there is nothing left to overlap."""
+    blocks = stage_blocks(checkpoint.unwrap(module))
+    if not blocks:
+        return torch.compile(module, backend=backend, dynamic=False)
+    allow_graphs_per_code(2 * len(blocks))
+    for block in blocks:
+        # Static shapes: short batches never reach the compiled code (see forward above).
+        block.compile(backend=backend, dynamic=False)
+    return module
+
+
+def stage_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of each top-level nn.Sequential whose children are blocks (modules with
+    submodules): timm's and torchvision's ResNet layer1..layer4. timm's deep stem (`conv1` of
+    test_resnet, resnet50d, ...) is a Sequential of plain layers: stem, not stage."""
+    return [block for stage in model.children() if isinstance(stage, nn.Sequential)
+            and all(next(b.children(), None) is not None for b in stage)
+            for block in stage]
+
+
+def allow_graphs_per_code(graphs: int) -> None:
+    """The blocks of a ResNet share one `forward` code object, and dynamo keeps at most
+    `recompile_limit` (8) graphs per code object, then runs the rest eagerly with a warning.
+    Blocks differ in shapes and in having a downsample, and train and eval are two graphs each:
+    resnet18 needs 14 and resnet50 16. At most one graph per region and mode is the bound (short
+    batches never compile), so the limit is raised to it."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, graphs)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, graphs)

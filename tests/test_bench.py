@@ -1,5 +1,6 @@
-"""bin/bench.py sub-commands that run anywhere: model-only throughput and gpu-check's report
-(on a machine without a GPU it still writes one, with every gpu test skipped)."""
+"""bin/bench.py sub-commands that run anywhere: model-only throughput, compile costs and
+gpu-check's report (on a machine without a GPU it still writes one, with every gpu test
+skipped)."""
 
 import json
 import subprocess
@@ -27,6 +28,17 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     assert all(r["images_per_s"] > 0 for r in rows)
     assert rows[-1]["ratio_to_peer"] == 1.0
     assert rows[0]["ratio_to_peer"] == rows[0]["images_per_s"] / rows[1]["images_per_s"]
+
+
+def test_compile_bench_compiles_the_whole_model_or_each_block(tmp_path):
+    report = tmp_path / "compile.json"
+    result = bench("compile", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
+                   "cpu", "--steps", "2", "--settings", "whole,regions", "--compile-backend",
+                   "aot_eager", "--json", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole, regions = json.loads(report.read_text())["results"]
+    assert whole["graphs"] == 1 and regions["graphs"] == 4  # test_resnet: 4 blocks, all unlike
+    assert all(r["first_step_s"] > 0 and len(r["step_times_s"]) == 2 for r in (whole, regions))
 
 
 def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):

@@ -11,6 +11,7 @@ EXAMPLES = """examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
   python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
+  python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
 """
@@ -49,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--steps", type=int, default=10)
     sync.add_argument("--warmup", type=int, default=3)
     sync.add_argument("--bucket-mb", type=float, default=25.0)
+    compiling = commands.add_parser("compile", help="first step (compilation included) and "
+                                    "step time: eager, compiled whole, compiled by regions")
+    compiling.add_argument("-a", "--arch", default="resnet50")
+    compiling.add_argument("-b", "--batch-size", type=int, default=8)
+    compiling.add_argument("--image-size", type=int, default=96)
+    compiling.add_argument("--device", default="cpu")
+    compiling.add_argument("--steps", type=int, default=5)
+    compiling.add_argument("--settings", default="off,whole,regions")
+    for sub in (sync, compiling):
+        sub.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
+                         "traces and differentiates, generates no code")
+    sync.add_argument("--compile", default="off", choices=("off", "whole", "regions"),
+                      help="torch.compile the model whole (as before issue 18) or by regions")
     loader = commands.add_parser("loader", help="loader-only images/s of one or more datasets")
     loader.add_argument("--catalog", default="datasets.toml")
     loader.add_argument("--dataset", action="append", required=True,
@@ -81,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
                        help="the generated sample they read (bench: ImageNet-sized images; "
                        "the first batch's memory depends on it, the build's does not)")
-    for sub in (e2e, model, sync, loader):
+    for sub in (e2e, model, sync, compiling, loader):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -106,7 +120,12 @@ def main(argv: list[str]) -> int:
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
-                           args.steps, args.warmup, args.bucket_mb)
+                           args.steps, args.warmup, args.bucket_mb, args.compile,
+                           args.compile_backend)
+    elif args.command == "compile":
+        from app.bench import compile as bench  # noqa: PLC0415
+        report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
+                           args.compile_backend, args.steps, args.settings.split(","))
     elif args.command == "loader":
         from app.bench import loader as bench  # noqa: PLC0415
         report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from app.bench.compile import compiled
 from app.config import ParallelConfig
 from app.devices import WorkerEnv, use_device
 from app.models import create_model
@@ -34,6 +35,8 @@ class SyncBenchJob:
     steps: int
     warmup: int
     result_file: str
+    compile: str = "off"  # off | whole | regions (app/bench/compile.py)
+    compile_backend: str = "inductor"
 
 
 def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> None:
@@ -43,6 +46,7 @@ def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> 
     torch.manual_seed(0)
     model = sync.prepare(precision.prepare_model(create_model(job.arch, 1000)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model = compiled(model, job.compile, job.batch_size, job.compile_backend)  # after prepare
     images = torch.randn(job.batch_size, 3, job.image_size, job.image_size, device=env.device)
     if precision.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
@@ -71,7 +75,8 @@ def run_mode(job: SyncBenchJob, devices: list[str], mode: str, parallel: Paralle
 
 
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: int,
-        warmup: int, bucket_mb: float) -> dict:
+        warmup: int, bucket_mb: float, compile: str = "off", compile_backend: str = "inductor"
+        ) -> dict:
     """Measure the three modes one after the other; returns a JSON-ready report."""
     modes = [("1 worker", "local", devices[:1]),
              (f"{len(devices)} workers, ps", "ps", devices),
@@ -82,7 +87,7 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
     with tempfile.TemporaryDirectory() as folder:
         for label, mode, mode_devices in modes:
             job = SyncBenchJob(arch, batch_size, image_size, steps, warmup,
-                               str(Path(folder) / f"{mode}.json"))
+                               str(Path(folder) / f"{mode}.json"), compile, compile_backend)
             process = context.Process(target=run_mode, args=(job, mode_devices, mode, parallel))
             process.start()
             process.join()
@@ -98,7 +103,8 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
     by_mode = {r["mode"]: r for r in results}
     return {"arch": arch, "parameters": params, "gradient_mb": params * 4 / 2**20,
             "batch_per_worker": batch_size, "image_size": image_size, "devices": devices,
-            "bucket_mb": bucket_mb, "steps": steps, "warmup": warmup,
+            "bucket_mb": bucket_mb, "steps": steps, "warmup": warmup, "compile": compile,
+            "compile_backend": compile_backend,
             "ps_over_allreduce": by_mode["ps"]["step_time_s"] / by_mode["allreduce"]["step_time_s"],
             "results": results, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}
@@ -107,7 +113,8 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
 def format_report(report: dict) -> str:
     lines = [f"{report['arch']} ({report['gradient_mb']:.0f} MB of gradients), batch "
              f"{report['batch_per_worker']} per worker, {report['image_size']} px, devices "
-             f"{','.join(report['devices'])}, median of {report['steps']} steps",
+             f"{','.join(report['devices'])}, compile {report['compile']}, median of "
+             f"{report['steps']} steps",
              f"{'mode':<28}{'step time':>12}{'images/s':>12}"]
     for r in report["results"]:
         lines.append(f"{r['label']:<28}{r['step_time_s'] * 1000:>10.1f}ms"

@@ -1,0 +1,112 @@
+"""What compiling costs and gives, whole model (as before issue 18) vs regions (each block of
+the stages, app/speed.py), with eager beside them: the first step, compilation included, and
+the median and the best step after it (forward, backward, SGD step on a synthetic batch; the
+best is the figure to trust on a machine shared with other work).
+
+Each setting runs in a fresh process with an empty inductor cache directory, so every first
+step compiles from scratch and no setting inherits another's graphs or kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from app.models import create_model
+from app.precision import Precision
+from app.speed import CompiledForFullBatches
+
+SETTINGS = ("off", "whole", "regions")
+
+
+def compiled(model: nn.Module, setting: str, batch_size: int, backend: str) -> nn.Module:
+    """The module that runs `model` under `setting` (model may be wrapped by DDP)."""
+    if setting == "whole":  # what CompiledForFullBatches did before issue 18
+        return torch.compile(model, backend=backend, dynamic=False)
+    if setting == "regions":
+        return CompiledForFullBatches(model, batch_size, backend)
+    return model
+
+
+@dataclass(frozen=True)
+class CompileBenchJob:
+    arch: str
+    batch_size: int
+    image_size: int
+    device: str
+    backend: str
+    steps: int
+    setting: str
+    result_file: str
+
+
+def measure(job: CompileBenchJob) -> None:
+    """In a process of its own: writes {first_step_s, step_times_s, graphs} to result_file."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read when inductor first needs it
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")  # GPU kernels
+        precision = Precision.from_config("auto", True, job.device)
+        torch.manual_seed(0)
+        model = precision.prepare_model(create_model(job.arch, 1000))
+        forward = compiled(model, job.setting, job.batch_size, job.backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        images = torch.randn(job.batch_size, 3, job.image_size, job.image_size,
+                             device=precision.device)
+        if precision.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, 1000, (job.batch_size,), device=precision.device)
+        times = []
+        for _ in range(1 + job.steps):
+            started = time.perf_counter()
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(forward(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if precision.device.type == "cuda":
+                torch.cuda.synchronize(precision.device)
+            times.append(time.perf_counter() - started)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    Path(job.result_file).write_text(json.dumps({"first_step_s": times[0],
+                                                 "step_times_s": times[1:], "graphs": graphs}))
+
+
+def run(arch: str, batch_size: int, image_size: int, device: str, backend: str, steps: int,
+        settings: list[str]) -> dict:
+    context = torch.multiprocessing.get_context("spawn")
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for setting in settings:
+            job = CompileBenchJob(arch, batch_size, image_size, device, backend, steps, setting,
+                                  str(Path(folder) / f"{setting}.json"))
+            process = context.Process(target=measure, args=(job,))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"compile benchmark '{setting}' failed "
+                                   f"(exit {process.exitcode})")
+            result = json.loads(Path(job.result_file).read_text())
+            results.append({**asdict(job), **result,
+                            "step_s": statistics.median(result["step_times_s"]),
+                            "best_step_s": min(result["step_times_s"])})
+    return {"what": "compile", "results": results, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def format_report(report: dict) -> str:
+    first = report["results"][0]
+    lines = [f"compile: {first['arch']}, batch {first['batch_size']}, {first['image_size']} px,"
+             f" {first['device']}, backend {first['backend']}, median of {first['steps']} steps",
+             f"{'setting':<10}{'first step':>12}{'step':>12}{'best step':>12}{'graphs':>8}"]
+    for r in report["results"]:
+        lines.append(f"{r['setting']:<10}{r['first_step_s']:>11.1f}s{r['step_s'] * 1000:>10.1f}ms"
+                     f"{r['best_step_s'] * 1000:>10.1f}ms{r['graphs']:>8}")
+    return "\n".join(lines)
