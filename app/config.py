@@ -74,6 +74,18 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class AugmentConfig:
+    """Train-time augmentation beyond the recipe's crop and flip."""
+    # per-batch, on the device
+    random_erase: float = param(
+        0.0, "random erasing probability (per image, on the normalised batch)",
+        check=(lambda v: 0 <= v <= 1, "must be in [0, 1]"))
+    mixup_alpha: float = param(0.0, "mixup alpha (0 = off)", check=at_least(0))
+    cutmix_alpha: float = param(0.0, "cutmix alpha (0 = off; with --mixup-alpha: one of the "
+                                "two per batch)", check=at_least(0))
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     arch: str = param(
         "resnet34", "model name: any timm name (resnet18/34/50/101/152, ...) or resnet18_small "
@@ -189,6 +201,7 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
