@@ -76,6 +76,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AugmentConfig:
     """Training and evaluation recipes beyond the crop and flip of every image."""
+    # which images an epoch takes, and how they are evaluated
     ra_sampler: bool = param(False, "whether to use Repeated Augmentation in training: an "
                              "epoch takes 1/ra_reps of the images, ra_reps times each, the "
                              "copies on different devices")
@@ -83,6 +84,13 @@ class AugmentConfig:
                          check=at_least(1))
     val_flip_tta: bool = param(False, "evaluate on the mean of the logits of each val image "
                                "and its horizontal mirror (FFCV's lr_tta)")
+    # per-batch, on the device
+    random_erase: float = param(
+        0.0, "random erasing probability (per image, on the normalised batch)",
+        check=(lambda v: 0 <= v <= 1, "must be in [0, 1]"))
+    mixup_alpha: float = param(0.0, "mixup alpha (0 = off)", check=at_least(0))
+    cutmix_alpha: float = param(0.0, "cutmix alpha (0 = off; with --mixup-alpha: one of the "
+                                "two per batch)", check=at_least(0))
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from app import checkpoint, preflight, run_state
 from app.data.augment import EvalRecipe, TrainRecipe
+from app.data.batch_augment import BatchAugment
 from app.data.decoders import build_pipeline
 from app.data.pipeline import DeviceBatch, InputFormat, InputPipeline, PipelineSpec
 from app.data.sampler import ShardedBatches
@@ -126,7 +127,10 @@ class Trainer:
                                          config.train.batch_size * env.world_size,
                                          fused=self.scaler is not None)
         self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
+        # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
         self.criterion = nn.CrossEntropyLoss(label_smoothing=config.optim.label_smoothing)
+        self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
+                                                      config.train.seed, env.rank)
         self.position = Position()
         self.best_top1 = -1.0
         self.epoch_sums = Tally(self.precision.device)
@@ -239,8 +243,10 @@ class Trainer:
         loss = None
         with self.sync.step(images) as loss_scale:
             if images:  # a worker without usable images still takes part in the sync
+                inputs, targets = self.batch_augment(batch.images, batch.labels,
+                                                     self.position.step)
                 with self.precision.autocast():
-                    loss = self.criterion(self.model(batch.images), batch.labels)
+                    loss = self.criterion(self.model(inputs), targets)
                 scaled = loss * loss_scale if loss_scale != 1.0 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if self.sync.finish_step():  # every .grad is now the average over all workers' images

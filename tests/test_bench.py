@@ -96,3 +96,20 @@ def test_dali_reservations_are_measured_with_the_cpu_operators_too():
         assert measured[split]["first_batch_images"] == 8
         assert "gpu_bytes" not in measured[split]["build"]
         assert isinstance(measured[split]["build"]["host_rss_bytes"], int)
+
+
+def test_model_bench_measures_the_batch_augmentations_beside_a_plain_step(tmp_path):
+    report = tmp_path / "model.json"
+    result = bench("model", "-a", "test_resnet", "-b", "8", "--image-size", "32", "--device",
+                   "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--random-erase",
+                   "0.5", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert [r["label"] for r in data["results"]] == [
+        "ours without compile", "ours without compile + batch augment",
+        "pytorch/examples: fp32, NCHW"]
+    extra = data["batch_augment"]
+    assert (extra["random_erase"], extra["mixup_alpha"], extra["cutmix_alpha"]) == (0.5, 0.2, 1.0)
+    assert extra["ms_per_step"] > 0
+    assert extra["share_of_plain_step"] == extra["ms_per_step"] / data["results"][0]["step_ms"]
+    assert "batch augment (erase 0.5, mixup 0.2, cutmix 1) alone" in result.stdout

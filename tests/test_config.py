@@ -51,6 +51,8 @@ def test_help_says_batch_size_is_per_device():
     ("[optim]\nschedule = 'linear'\n", "must be one of cosine, step"),
     ("[train]\nepochs = 0\n", "train.epochs must be at least 1"),
     ("[augment]\nra_reps = 0\n", "augment.ra_reps must be at least 1"),
+    ("[augment]\nrandom_erase = 1.5\n", "augment.random_erase must be in [0, 1]"),
+    ("[augment]\nmixup_alpha = -0.2\n", "augment.mixup_alpha must be at least 0"),
     ("[train]\nepochs = \n", "line 2"),
 ])
 def test_bad_config_files_name_file_and_key(tmp_path, text, fragment):

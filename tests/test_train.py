@@ -1,11 +1,13 @@
 """End to end: the driver trains the tiny sample, saves checkpoints, resumes exactly."""
 
+import copy
 import json
 import tomllib
 
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app import checkpoint
@@ -113,23 +115,33 @@ def train_in_process(tmp_path, *flags):
     return job
 
 
-def test_resume_from_last_pt_continues_exactly(tmp_path):
-    straight = train_in_process(tmp_path, "--epochs", "3", "--run-name", "straight")
+def straight_and_resumed(tmp_path, epochs, steps_per_epoch, *flags):
+    """The last checkpoints of a straight run and of one stopped after its first epoch, then
+    resumed from last.pt."""
+    flags = ("--epochs", str(epochs), *flags)
+    straight = train_in_process(tmp_path, *flags, "--run-name", "straight")
     outcome = train_worker(straight, WorkerEnv(), LocalSync(), NullLogger())
-    assert isinstance(outcome, Finished) and outcome.metrics["epoch"] == 3
+    assert isinstance(outcome, Finished) and outcome.metrics["epoch"] == epochs
 
-    interrupted = train_in_process(tmp_path, "--epochs", "3", "--run-name", "interrupted")
+    interrupted = train_in_process(tmp_path, *flags, "--run-name", "interrupted")
     with pytest.raises(KeyboardInterrupt):
         train_worker(interrupted, WorkerEnv(), LocalSync(), StopAfterFirstEpoch())
     last = tmp_path / "interrupted" / "checkpoints" / "last.pt"
-    assert (checkpoint.load(last)["epoch"], checkpoint.load(last)["step"]) == (1, 10)
-    resumed = train_in_process(tmp_path, "--epochs", "3", "--resume", str(last))
+    assert (checkpoint.load(last)["epoch"], checkpoint.load(last)["step"]) == \
+        (1, steps_per_epoch)
+    resumed = train_in_process(tmp_path, *flags, "--resume", str(last))
     assert resumed.run_dir == str(tmp_path / "interrupted")  # same run continues
     train_worker(resumed, WorkerEnv(), LocalSync(), NullLogger())
 
     a = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt")
     b = checkpoint.load(last)
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (3, 30)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == \
+        (epochs, epochs * steps_per_epoch)
+    return a, b
+
+
+def test_resume_from_last_pt_continues_exactly(tmp_path):
+    a, b = straight_and_resumed(tmp_path, 3, 10)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     momentum_a = a["optimizer"]["state"]
@@ -154,6 +166,18 @@ def test_repeated_augmentation_and_flip_tta_reach_training_and_evaluation(tmp_pa
     # the epoch's val metrics were the flip-averaged ones
     assert evaluated("--val-flip-tta")["val/loss"] == pytest.approx(metrics["val/loss"])
     assert evaluated()["val/loss"] != pytest.approx(metrics["val/loss"])
+
+
+def test_resume_repeats_the_batch_augmentations_exactly(tmp_path):
+    # 5 classes (160 images): 5 steps of erasing and mixup or cutmix per epoch.
+    flags = ("--classes", "5", "--random-erase", "0.5", "--mixup-alpha", "0.2",
+             "--cutmix-alpha", "1.0", "--label-smoothing", "0.1")
+    a, b = straight_and_resumed(tmp_path, 2, 5, *flags)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"],
+                           b["optimizer"]["state"][key]["momentum_buffer"])
 
 
 class CrashAtFirstLog(NullLogger):
@@ -256,3 +280,33 @@ def test_fp16_loss_scaling_skips_overflowing_steps_without_asking_the_host(tmp_p
     with HostSyncs() as syncs:
         scaler.step(optimizer)
     assert syncs.calls
+
+
+def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs(tmp_path):
+    job = train_in_process(tmp_path, "--epochs", "1", "--run-name", "mix", "--classes", "5",
+                           "--random-erase", "0.5", "--mixup-alpha", "1.0", "--cutmix-alpha",
+                           "1.0", "--label-smoothing", "0.1")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    try:
+        batches = trainer.train_data.epoch(0)
+        batch = next(batches)
+        # The step's inputs (pixels: tests/test_batch_augment.py) and lambda, by its plan.
+        inputs, _ = trainer.batch_augment(batch.images.clone(), batch.labels, step=0)
+        lam = trainer.batch_augment.plan(len(batch), 32, 32, step=0).mix.lam
+        assert 0.2 < lam < 0.8  # far from an unmixed batch
+        model = copy.deepcopy(trainer.model)
+        # torchvision: MixUp/CutMix mix one-hot rows; CrossEntropyLoss(label_smoothing) then
+        # smooths the probability targets it is given.
+        one_hot = F.one_hot(batch.labels, 5).double()
+        mixed = lam * one_hot + (1 - lam) * one_hot.roll(1, 0)
+        target = mixed * (1 - 0.1) + 0.1 / 5
+        expected = -(target * model(inputs).double().log_softmax(1)).sum(1).mean()
+        with HostSyncs() as syncs:
+            loss = trainer.train_step(batch)
+            for step in range(1, 4):  # mixup and cutmix steps alike
+                trainer.position.step = step
+                trainer.train_step(next(batches))
+        assert syncs.calls == []
+        assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=0)
+    finally:
+        trainer.close()

@@ -7,9 +7,13 @@ import argparse
 import json
 from pathlib import Path
 
+from app.config import AugmentConfig
+
 EXAMPLES = """examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
   python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
+  python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
+      --cutmix-alpha 1.0                                         # + batch augmentations
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
   python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
@@ -42,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--steps", type=int, default=50)
     model.add_argument("--warmup", type=int, default=5)
     model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
+    for flag, what in (("--random-erase", "random erasing probability"),
+                       ("--mixup-alpha", "mixup alpha"), ("--cutmix-alpha", "cutmix alpha")):
+        model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
+                           "settings with the batch augmentations, and them alone")
     sync = commands.add_parser("sync", help="step time: 1 worker vs N workers ps vs allreduce")
     sync.add_argument("-a", "--arch", default="resnet50")
     sync.add_argument("-b", "--batch-size", type=int, default=16, help="per worker")
@@ -115,8 +123,11 @@ def main(argv: list[str]) -> int:
         from app.bench import model as bench  # noqa: PLC0415
         settings = [bench.OURS_EAGER, bench.PEER] if args.no_compile else \
             [bench.OURS, bench.OURS_EAGER, bench.PEER]
+        augment = AugmentConfig(random_erase=args.random_erase, mixup_alpha=args.mixup_alpha,
+                                cutmix_alpha=args.cutmix_alpha)
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
-                           args.steps, args.warmup, settings)
+                           args.steps, args.warmup, settings,
+                           augment if augment != AugmentConfig() else None)
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),

@@ -1,15 +1,20 @@
 """Model-only throughput: a synthetic batch already on the device, forward + backward + SGD
 step, so neither the input pipeline nor the gradient sync counts. Our settings (bf16 autocast,
 channels_last, torch.compile on CUDA) beside the peer's numerics (pytorch/examples imagenet:
-fp32 NCHW, eager, cuDNN autotuning on), measured in the same run."""
+fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Given batch augmentations
+(random erasing, mixup/cutmix), our settings are measured again with them before the forward,
+and the augmentations alone are timed: their cost per step beside a plain step."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from app.config import AugmentConfig
+from app.data.batch_augment import BatchAugment
 from app.models import create_model
 from app.precision import Precision
 from app.speed import configure_backends
@@ -29,8 +34,9 @@ PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 
 
 def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, device: str,
-            steps: int, warmup: int) -> dict:
-    """Images/s over `steps` timed steps after `warmup` (the first includes compilation)."""
+            steps: int, warmup: int, augment: BatchAugment | None = None) -> dict:
+    """Images/s over `steps` timed steps after `warmup` (the first includes compilation);
+    with `augment`, each step augments the batch first, as the Trainer does."""
     precision = Precision.from_config(setting.amp, setting.channels_last, device)
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
@@ -41,13 +47,16 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
                          ).contiguous(memory_format=memory_format)
     labels = torch.randint(0, 1000, (batch_size,), device=precision.device)
+    counter = itertools.count()
     on_cuda = precision.device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(precision.device)
 
     def step() -> None:
+        # In place on the same tensor every step: the values drift, the work does not.
+        inputs, targets = augment(images, labels, next(counter)) if augment else (images, labels)
         with precision.autocast():
-            loss = torch.nn.functional.cross_entropy(forward(images), labels)
+            loss = torch.nn.functional.cross_entropy(forward(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -68,7 +77,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
         step()
     wait()
     seconds = time.perf_counter() - started
-    return {**asdict(setting), "arch": arch, "batch_size": batch_size,
+    label = setting.label + (" + batch augment" if augment else "")
+    return {**asdict(setting), "label": label, "arch": arch, "batch_size": batch_size,
             "image_size": image_size, "device": str(precision.device),
             "images_per_s": batch_size * steps / seconds, "step_ms": 1000 * seconds / steps,
             "first_step_s": first_step_s,
@@ -76,15 +86,40 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
             if on_cuda else None}
 
 
+def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, device: str,
+                     steps: int) -> float:
+    """Milliseconds per batch of the augmentations by themselves (host draws included)."""
+    device = torch.device(device)
+    images = torch.randn(batch_size, 3, image_size, image_size, device=device)
+    labels = torch.randint(0, augment.num_classes, (batch_size,), device=device)
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    augment(images, labels, 0)
+    wait()
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        augment(images, labels, step)
+    wait()
+    return 1000 * (time.perf_counter() - started) / steps
+
+
 def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, warmup: int,
-        settings: list[ModelSetting]) -> dict:
+        settings: list[ModelSetting], augment: AugmentConfig | None = None) -> dict:
     results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
                for s in settings]
+    report = {"what": "model only", "results": results, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d")}
+    if augment:
+        batch_augment = BatchAugment.from_config(augment, 1000, seed=0, rank=0)
+        ours = [s for s in settings if s != PEER]
+        results[-1:-1] = [measure(arch, s, batch_size, image_size, device, steps, warmup,
+                                  batch_augment) for s in ours]
+        alone = augment_alone_ms(batch_augment, batch_size, image_size, device, steps)
+        report["batch_augment"] = {**asdict(augment), "ms_per_step": alone,
+                                   "share_of_plain_step": alone / results[0]["step_ms"]}
     baseline = results[-1]["images_per_s"]  # the peer's settings come last
     for result in results:
         result["ratio_to_peer"] = result["images_per_s"] / baseline
-    return {"what": "model only", "results": results, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+    return report
 
 
 def format_report(report: dict) -> str:
@@ -96,4 +131,10 @@ def format_report(report: dict) -> str:
         peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
         lines.append(f"{r['label']:<40}{r['images_per_s']:>10.1f}{r['ratio_to_peer']:>9.2f}"
                      f"{r['first_step_s']:>11.1f}s{peak:>9}")
+    extra = report.get("batch_augment")
+    if extra:
+        lines.append(f"batch augment (erase {extra['random_erase']:g}, mixup "
+                     f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
+                     f"{extra['ms_per_step']:.2f} ms per batch, "
+                     f"{100 * extra['share_of_plain_step']:.1f}% of the first setting's step")
     return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Per-batch augmentations on the training device: random erasing, then mixup or cutmix.
+
+Both input pipelines hand the Trainer a DeviceBatch of normalised images; these run on it before
+the forward, so Pillow and DALI share one implementation. Every random number (which images are
+erased and where, mixup or cutmix, lambda, the cutmix box) is drawn on the host from generators
+seeded by (seed, step, worker rank): the device never has to tell the host anything (no sync per
+step), and a resumed run, whose step counter is restored, draws the same numbers.
+
+Semantics are torchvision's (references/classification, transforms.v2):
+- RandomErasing, the last transform of the train preset, so after Normalize: per image with
+  probability p, a box of (0.02, 0.33) of the area with a log-uniform aspect ratio in (0.3, 3.3),
+  up to ten tries, filled with 0 (the mean, on normalised pixels).
+- MixUp / CutMix: when both alphas are set, one of them per batch with equal probability;
+  lambda ~ Beta(alpha, alpha); each image is paired with the batch rolled by one; cutmix's
+  lambda is corrected to the pasted box's true area; targets become the same mix of one-hot rows
+  (label smoothing, applied by the loss to probability targets, then smooths the mix, which is
+  the mix of smoothed rows: the map is linear).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from app.data.augment import Box
+from app.data.sampler import mix_seed
+
+if TYPE_CHECKING:  # the data layer does not depend on the config at run time
+    from app.config import AugmentConfig
+
+ERASE_SCALE = (0.02, 0.33)  # share of the image's area
+ERASE_RATIO = (0.3, 3.3)  # height / width
+ERASE_TRIES = 10
+# A fourth value keeps these streams apart from each other and from the per-image crop seeds
+# (mix_seed(seed, epoch, index)); separate streams also let erasing be switched on or off
+# without changing which batches are mixed and how.
+ERASE_STREAM, MIX_STREAM = 1, 2
+
+
+# --- host: the plan of one batch, plain Python --------------------------------------------
+
+def erase_box(height: int, width: int, rng: random.Random) -> Box | None:
+    """torchvision's RandomErasing box; None when ten tries found none that fits (the image is
+    left as it is, as torchvision returns it)."""
+    area = height * width
+    log_ratio = (math.log(ERASE_RATIO[0]), math.log(ERASE_RATIO[1]))
+    for _ in range(ERASE_TRIES):
+        erase_area = area * rng.uniform(*ERASE_SCALE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h = round(math.sqrt(erase_area * aspect))
+        w = round(math.sqrt(erase_area / aspect))
+        if h < height and w < width:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    return None
+
+
+def erase_plan(count: int, height: int, width: int, p: float, rng: random.Random
+               ) -> list[Box | None]:
+    """Each image's box, or None. torchvision decides per image inside its transform, before
+    batching; here the decisions for every image of the batch are drawn on the host, in batch
+    order, and the device erases the whole batch at once."""
+    return [erase_box(height, width, rng) if rng.random() < p else None for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One batch's mix: images and targets become lam * own + (1 - lam) * the batch rolled by
+    one; with a box (cutmix) the images mix by pasting the rolled batch's box, and lam is the
+    share of the image outside the box."""
+    lam: float
+    box: Box | None = None
+
+
+def cutmix_box(height: int, width: int, lam: float, rng: random.Random) -> Box:
+    """torchvision v2 CutMix's box: a centre uniform over the pixels, half-sides of
+    sqrt(1 - lam) / 2 of the image's sides (truncated), clipped at the borders."""
+    centre_y, centre_x = rng.randrange(height), rng.randrange(width)
+    r = 0.5 * math.sqrt(1.0 - lam)
+    half_h, half_w = int(r * height), int(r * width)
+    top, left = max(centre_y - half_h, 0), max(centre_x - half_w, 0)
+    bottom, right = min(centre_y + half_h, height), min(centre_x + half_w, width)
+    return top, left, bottom - top, right - left
+
+
+def mix_plan(height: int, width: int, mixup_alpha: float, cutmix_alpha: float,
+             rng: random.Random) -> Mix | None:
+    """Mixup or cutmix (equally likely when both are on, as torchvision's RandomChoice)."""
+    methods = [name for name, alpha in (("mixup", mixup_alpha), ("cutmix", cutmix_alpha))
+               if alpha > 0]
+    if not methods:
+        return None
+    method = rng.choice(methods) if len(methods) > 1 else methods[0]
+    if method == "mixup":
+        return Mix(rng.betavariate(mixup_alpha, mixup_alpha))
+    box = cutmix_box(height, width, rng.betavariate(cutmix_alpha, cutmix_alpha), rng)
+    return Mix(1.0 - box[2] * box[3] / (height * width), box)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    erase: list[Box | None]  # per image; empty when erasing is off
+    mix: Mix | None
+
+
+# --- device: apply a plan, no value ever read back ------------------------------------------
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for the GPU
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def erase(images: torch.Tensor, boxes: list[Box | None]) -> None:
+    """Set each image's box to 0 in place. The boxes travel as one small tensor and one mask
+    covers the batch: a handful of kernels whatever the batch size, not one per image."""
+    bounds = torch.tensor([(b[0], b[1], b[0] + b[2], b[1] + b[3]) if b else (0, 0, 0, 0)
+                           for b in boxes], dtype=torch.int64)
+    top, left, bottom, right = _to_device(bounds, images.device).view(-1, 4, 1, 1).unbind(1)
+    height, width = images.shape[-2:]
+    rows = torch.arange(height, device=images.device).view(1, height, 1)
+    cols = torch.arange(width, device=images.device).view(1, 1, width)
+    inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
+    images.masked_fill_(inside.unsqueeze(1), 0.0)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """(n, num_classes) rows; scatter_, because F.one_hot checks the labels' range by reading
+    it back on some devices."""
+    rows = torch.zeros(labels.shape[0], num_classes, dtype=dtype, device=labels.device)
+    return rows.scatter_(1, labels.unsqueeze(1), 1.0)
+
+
+def blend_with_rolled(x: torch.Tensor, lam: float) -> torch.Tensor:
+    """x = lam * x + (1 - lam) * x.roll(1, 0), in place (the roll is a copy, taken first)."""
+    rolled = x.roll(1, 0)
+    return x.mul_(lam).add_(rolled, alpha=1.0 - lam)
+
+
+def paste_rolled(images: torch.Tensor, box: Box) -> None:
+    """Each image's box takes the previous image's pixels (the batch rolled by one)."""
+    top, left, h, w = box
+    region = images[:, :, top:top + h, left:left + w]
+    region.copy_(region.roll(1, 0))
+
+
+def apply_mix(images: torch.Tensor, targets: torch.Tensor, mix: Mix) -> None:
+    if images.shape[0] < 2:
+        return  # a lone image is paired with itself: the mix is the image and its label
+    if mix.box is None:
+        blend_with_rolled(images, mix.lam)
+    else:
+        paste_rolled(images, mix.box)
+    blend_with_rolled(targets, mix.lam)
+
+
+class BatchAugment:
+    """Random erasing and mixup/cutmix of one worker's batches, as configured; with all three
+    off it hands the batch through untouched."""
+
+    def __init__(self, random_erase: float = 0.0, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0, *, num_classes: int, seed: int = 0, rank: int = 0):
+        self.random_erase, self.mixup_alpha, self.cutmix_alpha = \
+            random_erase, mixup_alpha, cutmix_alpha
+        self.num_classes, self.seed, self.rank = num_classes, seed, rank
+
+    @classmethod
+    def from_config(cls, config: AugmentConfig, num_classes: int, seed: int, rank: int
+                    ) -> "BatchAugment":
+        return cls(config.random_erase, config.mixup_alpha, config.cutmix_alpha,
+                   num_classes=num_classes, seed=seed, rank=rank)
+
+    @property
+    def mixes(self) -> bool:
+        """Targets become probability rows (the loss takes soft targets)."""
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    def plan(self, count: int, height: int, width: int, step: int) -> BatchPlan:
+        """Everything random about step `step`'s batch: a pure function of (seed, step, rank)
+        and the batch's shape."""
+        erase_rng = random.Random(mix_seed(self.seed, step, self.rank, ERASE_STREAM))
+        mix_rng = random.Random(mix_seed(self.seed, step, self.rank, MIX_STREAM))
+        boxes = erase_plan(count, height, width, self.random_erase, erase_rng) \
+            if self.random_erase > 0 else []
+        return BatchPlan(boxes, mix_plan(height, width, self.mixup_alpha, self.cutmix_alpha,
+                                         mix_rng))
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, step: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) for the loss: `labels` unchanged unless mixing is on, then
+        probability rows in the images' dtype. Works on `images` in place: the pipelines hand
+        over a fresh tensor per batch that nothing reads afterwards. Any batch size works; a
+        batch of 0 or 1 images is not mixed (one image mixed with itself is itself)."""
+        if not (self.random_erase > 0 or self.mixes):
+            return images, labels
+        plan = self.plan(images.shape[0], images.shape[-2], images.shape[-1], step)
+        if any(plan.erase):
+            erase(images, plan.erase)
+        if plan.mix is None:
+            return images, labels
+        targets = one_hot(labels, self.num_classes, images.dtype)
+        apply_mix(images, targets, plan.mix)
+        return images, targets
