@@ -46,7 +46,7 @@ def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):
     result = bench("gpu-check", "--out", str(out))
     report = json.loads(out.read_text())
     tests = {t["name"].rsplit("::", 1)[-1]: t for t in report["tests"]["tests"]}
-    assert "test_no_host_sync_inside_a_training_step[off]" in tests
+    assert "test_no_host_sync_inside_a_training_step[off-bf16]" in tests
     assert any(name.startswith("test_two_gpus_match_one") for name in tests)
     assert report["environment"]["versions"]["torch"] == torch.__version__
     dali = report["dali_memory"]  # the defaults: 8 threads, batch 256
