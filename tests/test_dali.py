@@ -71,11 +71,11 @@ def test_the_reader_hands_dali_our_recipes_boxes_and_flips(tiny_sample):
         for (index, seed), anchor, shape, flip, label in zip(items, anchors, shapes, mirror,
                                                               labels):
             with Image.open(tiny_sample / frame.path[index]) as image:
-                (top, left, h, w), expected_flip = TrainRecipe(32).plan(image.height,
-                                                                        image.width, seed)
+                plan = TrainRecipe(32).plan(image.height, image.width, seed)
+            top, left, h, w = plan.box
             assert anchor.tolist() == [left, top] and shape.tolist() == [w, h]
-            assert bool(flip) == expected_flip and int(label) == frame.label[index]
-            flips += expected_flip
+            assert bool(flip) == plan.flip and int(label) == frame.label[index]
+            flips += plan.flip
         assert all(len(reason) == 0 for reason in reasons)
     with pytest.raises(StopIteration):  # past the epoch's last step (10 steps of 2 x 16)
         source(Info(8, 0))

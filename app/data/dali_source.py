@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from app.data.augment import Recipe
+from app.data.augment import Plan, Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
@@ -96,12 +96,13 @@ class BatchSource:
         if data is not None:
             try:
                 height, width, data = prepare(data)
-                (top, left, h, w), flip = self.recipe.plan(height, width, seed)
+                plan = self.recipe.plan(height, width, seed)
             except BadImage as error:
                 data, reason = None, str(error)
         if data is None:
-            data, (top, left, h, w), flip = placeholder(), (0, 0, 8, 8), False
+            data, plan = placeholder(), Plan((0, 0, 8, 8), False)
+        top, left, h, w = plan.box
         return (np.frombuffer(data, dtype=np.uint8), np.array([left, top], dtype=np.int32),
-                np.array([w, h], dtype=np.int32), np.array(int(flip), dtype=np.int32),
+                np.array([w, h], dtype=np.int32), np.array(int(plan.flip), dtype=np.int32),
                 np.array(self.labels[index]), np.array(index, dtype=np.int64),
                 np.frombuffer(reason.encode("utf-8"), dtype=np.uint8))
