@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from app.config import Config
+from app.data.auto_augment import AUTO_AUGMENT
 from app.data.decoders import DECODERS
 from app.loggers import LOGGERS
 from app.parallel.plans import SYNC_MODES
@@ -101,6 +102,7 @@ def test_name_tables_match_the_config_choices():
     assert set(choices("data", "decoder")) == set(DECODERS) | {"auto"}
     assert set(choices("logging", "loggers")) == set(LOGGERS)
     assert set(choices("parallel", "sync")) == (set(SYNC_MODES) - {"local"}) | {"auto"}
+    assert choices("augment", "auto_augment") == AUTO_AUGMENT
 
 
 def test_dalis_reader_processes_import_no_torch():
