@@ -84,6 +84,13 @@ class AugmentConfig:
                          check=at_least(1))
     val_flip_tta: bool = param(False, "evaluate on the mean of the logits of each val image "
                                "and its horizontal mirror (FFCV's lr_tta)")
+    # per-image, in the input pipeline
+    auto_augment: str = param(
+        "off", "auto augment policy: ta_wide = TrivialAugmentWide, ra = RandAugment (2 ops), "
+        "imagenet = AutoAugment's ImageNet policy, off",
+        choices=("off", "ta_wide", "ra", "imagenet"))  # app/data/auto_augment.py AUTO_AUGMENT
+    ra_magnitude: int = param(9, "magnitude of auto augment policy (RandAugment's bin of 31)",
+                              check=(lambda v: 0 <= v <= 30, "must be in [0, 30]"))
     # per-batch, on the device
     random_erase: float = param(
         0.0, "random erasing probability (per image, on the normalised batch)",

@@ -326,7 +326,9 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
     batch_size, workers = config.train.batch_size, config.data.workers
     augment = config.augment  # --ra-reps counts only with --ra-sampler, as in torchvision
     repetitions = augment.ra_reps if augment.ra_sampler else 1
-    train = PipelineSpec(job.root, job.tables.train, TrainRecipe(job.image_size),
+    recipe = TrainRecipe(job.image_size, auto_augment=augment.auto_augment,
+                         ra_magnitude=augment.ra_magnitude)
+    train = PipelineSpec(job.root, job.tables.train, recipe,
                          ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
                                         world_size=env.world_size, seed=config.train.seed,
                                         repetitions=repetitions),

@@ -113,3 +113,20 @@ def test_model_bench_measures_the_batch_augmentations_beside_a_plain_step(tmp_pa
     assert extra["ms_per_step"] > 0
     assert extra["share_of_plain_step"] == extra["ms_per_step"] / data["results"][0]["step_ms"]
     assert "batch augment (erase 0.5, mixup 0.2, cutmix 1) alone" in result.stdout
+
+
+def test_loader_bench_measures_each_decoder_plain_and_with_auto_augment(tmp_path):
+    report = tmp_path / "loader.json"
+    result = bench("loader", "--catalog", str(REPO / "datasets.toml"), "--dataset",
+                   "sample_tiny", "-b", "16", "-j", "1", "--image-size", "32", "--batches", "2",
+                   "--decoders", "pillow", "--auto-augment", "ta_wide,ra", "--no-peer",
+                   "--json", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(report.read_text())["results"]
+    assert [(r["decoder"], r["auto_augment"]) for r in rows] == \
+        [("pillow", "off"), ("pillow", "ta_wide"), ("pillow", "ra")]
+    assert all(r["images_per_s"] > 0 for r in rows) and rows[0]["ratio_to_plain"] == 1.0
+    assert rows[1]["ratio_to_plain"] == rows[1]["images_per_s"] / rows[0]["images_per_s"]
+    assert "ta_wide" in result.stdout
+    refused = bench("loader", "--dataset", "sample_tiny", "--auto-augment", "augmix")
+    assert refused.returncode == 2 and "unknown augmix" in refused.stderr

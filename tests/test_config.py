@@ -117,3 +117,20 @@ def test_a_renamed_key_says_its_new_name(tmp_path):
 def test_ranges_declared_beside_the_parameters_are_checked(flags, fragment):
     with pytest.raises(UserError, match=re.escape(fragment)):
         parse_config(flags)
+
+
+def test_auto_augment_flags_have_torchvisions_names_in_their_own_section(tmp_path):
+    config, _ = parse_config([])
+    assert (config.augment.auto_augment, config.augment.ra_magnitude) == ("off", 9)
+    config, _ = parse_config(["--auto-augment", "ta_wide", "--ra-magnitude", "12"])
+    assert (config.augment.auto_augment, config.augment.ra_magnitude) == ("ta_wide", 12)
+    sections = list(config.to_dict())
+    assert sections.index("augment") == sections.index("data") + 1
+    path = tmp_path / "run.toml"
+    path.write_text('[augment]\nauto_augment = "imagenet"\n')
+    assert parse_config(["--config", str(path)])[0].augment.auto_augment == "imagenet"
+    with pytest.raises(UserError, match="must be one of off, ta_wide, ra, imagenet"):
+        path.write_text('[augment]\nauto_augment = "augmix"\n')
+        parse_config(["--config", str(path)])
+    with pytest.raises(UserError, match="augment.ra_magnitude must be in"):
+        parse_config(["--ra-magnitude", "31"])

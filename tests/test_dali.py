@@ -18,6 +18,7 @@ from PIL import Image
 pytest.importorskip("nvidia.dali")  # noqa: E402 (a machine without DALI trains with Pillow)
 
 from app.data.augment import EvalRecipe, TrainRecipe  # noqa: E402
+from app.data.auto_augment import OP_NAMES  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
 from app.data.dali_pipeline import DaliPipeline  # noqa: E402
@@ -58,46 +59,67 @@ def batches_of(decoder, spec, epoch, start_step):
         pipeline.close()
 
 
-def test_the_reader_hands_dali_our_recipes_boxes_and_flips(tiny_sample):
+def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
     root = DatasetRoot("tiny", str(tiny_sample))
     frame = load_tables(root).train
     batches = ShardedBatches(len(frame), 16, rank=1, world_size=2, seed=3)
-    source = BatchSource(root, frame, TrainRecipe(32), batches, first_epoch=4, first_step=2)
-    flips = 0
+    recipe = TrainRecipe(32, auto_augment="imagenet")  # 0, 1 or 2 ops in 2 slots
+    source = BatchSource(root, frame, recipe, batches, first_epoch=4, first_step=2)
+    flips, counts = 0, set()
     for info, (epoch, step) in [(Info(0, 0), (4, 2)), (Info(1, 0), (4, 3)), (Info(0, 1), (5, 0))]:
-        jpegs, anchors, shapes, mirror, labels, rows, reasons = source(info)
+        jpegs, anchors, shapes, mirror, labels, rows, reasons, op_ids, magnitudes = source(info)
         items = batches.items(batches.order(epoch), epoch, step)  # resume offsets applied
         assert [int(r) for r in rows] == [index for index, _ in items]
-        for (index, seed), anchor, shape, flip, label in zip(items, anchors, shapes, mirror,
-                                                              labels):
+        for (index, seed), anchor, shape, flip, label, ids, values in zip(
+                items, anchors, shapes, mirror, labels, op_ids, magnitudes):
             with Image.open(tiny_sample / frame.path[index]) as image:
-                (top, left, h, w), expected_flip = TrainRecipe(32).plan(image.height,
-                                                                        image.width, seed)
+                plan = recipe.plan(image.height, image.width, seed)
+            top, left, h, w = plan.box
             assert anchor.tolist() == [left, top] and shape.tolist() == [w, h]
-            assert bool(flip) == expected_flip and int(label) == frame.label[index]
-            flips += expected_flip
+            assert bool(flip) == plan.flip and int(label) == frame.label[index]
+            padded = plan.ops + (("Identity", 0.0),) * (2 - len(plan.ops))
+            assert [(OP_NAMES[i], m) for i, m in zip(ids, values)] == list(padded)
+            assert ids.dtype == np.int32 and values.dtype == np.float64
+            flips += plan.flip
+            counts.add(len(plan.ops))
         assert all(len(reason) == 0 for reason in reasons)
     with pytest.raises(StopIteration):  # past the epoch's last step (10 steps of 2 x 16)
         source(Info(8, 0))
-    assert 0 < flips < 48
+    assert 0 < flips < 48 and counts == {0, 1, 2}
 
 
-@pytest.mark.parametrize("split", ["train", "val"])
-def test_dali_and_pillow_give_the_same_batches(tiny_sample, split):
-    """Whole epochs, so the CMYK, grayscale and PNG-named-.JPEG files are among them."""
+def equalized(root, frame, spec, epoch, step) -> torch.Tensor:
+    """Which images of the batch get Equalize (DALI's differs from Pillow's)."""
+    items = spec.batches.items(spec.batches.order(epoch), epoch, step)
+    sizes = [Image.open(f"{root.url}/{frame.path[index]}").size for index, _ in items]
+    return torch.tensor([any(name == "Equalize" for name, _ in spec.recipe.plan(h, w, seed).ops)
+                         for (_, seed), (w, h) in zip(items, sizes)])
+
+
+@pytest.mark.parametrize("split, auto_augment", [
+    ("train", "off"), ("val", "off"), ("train", "ta_wide"), ("train", "ra"),
+    ("train", "imagenet")])
+def test_dali_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment):
+    """Whole epochs, so the CMYK, grayscale and PNG-named-.JPEG files are among them. With
+    auto-augment, the ops see the decoders' slightly different pixels and some widen the gap
+    (solarize flips a value near its threshold, autocontrast stretches): measured at most 0.47
+    on average over a batch and 4.4 on an image, asserted 1.0 and 6.0. Images that get
+    Equalize are left out: it differs on its own (tests/test_dali_ops.py), by up to 30 on an
+    image here where it follows another op."""
     root = DatasetRoot("tiny", str(tiny_sample))
     frame = getattr(load_tables(root), split)
-    recipe = TrainRecipe(32) if split == "train" else EvalRecipe(32)
+    recipe = TrainRecipe(32, auto_augment=auto_augment) if split == "train" else EvalRecipe(32)
     spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 24, seed=1,
                                                         shuffle=split == "train"))
     pillow = batches_of("pillow", spec, epoch=2, start_step=1)
     dali = batches_of("dali", spec, epoch=2, start_step=1)
     assert len(dali) == len(pillow) == spec.batches.steps_per_epoch() - 1
-    for a, b in zip(pillow, dali):
+    image_mean = 3.0 if auto_augment == "off" else 6.0
+    for step, (a, b) in enumerate(zip(pillow, dali), start=1):
         assert torch.equal(a.labels, b.labels) and a.images.shape == b.images.shape
         assert b.images.dtype == torch.float32 and b.images.is_contiguous()
-        pixels = ((a.images - b.images) * STD).abs()
-        assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= 3.0
+        pixels = ((a.images - b.images) * STD).abs()[~equalized(root, frame, spec, 2, step)]
+        assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
 
 
 def test_a_short_last_batch_is_kept(tiny_sample):
@@ -138,7 +160,9 @@ def corrupt_huffman_tables(path):
     path.write_bytes(bytes(data))
 
 
-def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tiny_copy, caplog):
+@pytest.mark.parametrize("auto_augment", ["off", "ta_wide"])
+def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tiny_copy, caplog,
+                                                                            auto_augment):
     root = DatasetRoot("t", str(tiny_copy))
     frame = load_tables(root).train
     batches = ShardedBatches(len(frame), 64, seed=0)
@@ -149,7 +173,8 @@ def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tin
     (tiny_copy / frame.path[first[3]]).unlink()
     later = frame.path[[index for index, _ in list(iter(batches))[2]][5]]  # in step 2
     (tiny_copy / later).write_bytes((tiny_copy / later).read_bytes()[:300])  # truncated
-    pipeline = build_pipeline("dali", spec_for(root, frame, TrainRecipe(24), batches))
+    recipe = TrainRecipe(24, auto_augment=auto_augment)
+    pipeline = build_pipeline("dali", spec_for(root, frame, recipe, batches))
     try:
         with caplog.at_level("WARNING", logger="imagenet_dp"):
             out = list(pipeline.epoch(0))

@@ -1,4 +1,5 @@
 import collections
+import itertools
 import math
 import random
 
@@ -10,12 +11,14 @@ from torch.utils.data import DataLoader
 
 from app import sample, tables
 from app.storage import DatasetRoot
-from app.data.augment import EvalRecipe, TrainRecipe, center_crop_box, random_resized_crop_box
+from app.data.augment import (EvalRecipe, Plan, TrainRecipe, center_crop_box,
+                              random_resized_crop_box)
 from app.data.dali_memory import decoder_memory
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
+from app.data.decoders import build_pipeline
 from app.data.pillow_pipeline import BatchRequest, ReadAhead, build_loader
-from app.data.pipeline import InputFormat, Skipped
+from app.data.pipeline import InputFormat, PipelineSpec, Skipped
 from app.data.sampler import ShardedBatches
 from app.tables import train_cls_list
 
@@ -179,13 +182,13 @@ def test_random_resized_crop_boxes_respect_scale_and_ratio():
 def test_train_recipe_is_deterministic_per_seed_and_flips_half():
     recipe = TrainRecipe(32)
     assert recipe.plan(100, 80, 7) == recipe.plan(100, 80, 7)
-    flips = [recipe.plan(100, 80, s)[1] for s in range(1000)]
+    flips = [recipe.plan(100, 80, s).flip for s in range(1000)]
     assert 400 < sum(flips) < 600
 
 
 def test_eval_crop_is_the_resize_then_centre_crop_box():
     assert center_crop_box(256, 512, 0.875) == (16, 144, 224, 224)
-    assert EvalRecipe(224).plan(256, 512, 0) == ((16, 144, 224, 224), False)
+    assert EvalRecipe(224).plan(256, 512, 0) == Plan((16, 144, 224, 224), False, ())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -248,7 +251,8 @@ def test_truncated_jpeg_is_a_bad_image(tiny_sample):
         to_rgb(open_image(data[: len(data) // 2]))
 
 
-def test_loader_skips_and_reports_bad_images(tiny_copy):
+@pytest.mark.parametrize("auto_augment", ["off", "ta_wide", "ra", "imagenet"])
+def test_loader_skips_and_reports_bad_images(tiny_copy, auto_augment):
     root = DatasetRoot("t", str(tiny_copy))
     frame = train_cls_list(root)
     broken = {frame.path[3]: b"", frame.path[10]: b"not an image"}
@@ -257,7 +261,8 @@ def test_loader_skips_and_reports_bad_images(tiny_copy):
     (tiny_copy / frame.path[20]).unlink()
     broken[frame.path[20]] = None
     batches = ShardedBatches(len(frame), 64, seed=0)
-    loader = build_loader(root, frame, TrainRecipe(24), batches, workers=2)
+    loader = build_loader(root, frame, TrainRecipe(24, auto_augment=auto_augment), batches,
+                          workers=2)
     skipped, images, labels = [], 0, []
     for batch in loader:
         skipped += batch.skipped
@@ -326,3 +331,26 @@ def test_dali_decoder_memory_is_per_thread_and_sized_for_each_split():
     assert decoder_memory("train", batch_size=32, threads=0).threads == 1  # -j 0
     with pytest.raises(KeyError):
         decoder_memory("test", 32, 4)
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "dali"])
+def test_a_resumed_pipeline_repeats_the_augmented_batch_exactly(tiny_sample, decoder):
+    """Exact resume with auto-augment on: batch (epoch 1, step 2) of a pipeline started at the
+    epoch's beginning and of a fresh one started at that step are the same to the bit."""
+    if decoder == "dali":
+        pytest.importorskip("nvidia.dali")
+    root = DatasetRoot("tiny", str(tiny_sample))
+    frame = train_cls_list(root)
+    spec = PipelineSpec(root, frame, TrainRecipe(32, auto_augment="ra", ra_magnitude=15),
+                        ShardedBatches(len(frame), 32, seed=6), 1,
+                        InputFormat(torch.device("cpu")))
+    batches = []
+    for start in (0, 2):
+        pipeline = build_pipeline(decoder, spec)
+        try:
+            batches.append(list(itertools.islice(pipeline.epoch(1, start), 2 - start, 3 - start)))
+        finally:
+            pipeline.close()
+    (straight,), (resumed,) = batches
+    assert torch.equal(straight.labels, resumed.labels)
+    assert torch.equal(straight.images, resumed.images)

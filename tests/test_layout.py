@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from app.config import Config
+from app.data.auto_augment import AUTO_AUGMENT
 from app.data.decoders import DECODERS
 from app.loggers import LOGGERS
 from app.parallel.plans import SYNC_MODES
@@ -101,3 +102,23 @@ def test_name_tables_match_the_config_choices():
     assert set(choices("data", "decoder")) == set(DECODERS) | {"auto"}
     assert set(choices("logging", "loggers")) == set(LOGGERS)
     assert set(choices("parallel", "sync")) == (set(SYNC_MODES) - {"local"}) | {"auto"}
+    assert choices("augment", "auto_augment") == AUTO_AUGMENT
+
+
+def test_dalis_reader_processes_import_no_torch():
+    """They run the recipes' plan() (crops, flips, auto-augment draws) and need no torch."""
+    graph, files = import_graph(), {module_name(p): p for p in APP.rglob("*.py")}
+    reached, todo = set(), ["app.data.dali_source"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    for module in reached:
+        tree = ast.parse(files[module].read_text())
+        names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names]
+        names += [node.module or "" for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] in ("torch", "torchvision")], module
+    assert {"app.data.augment", "app.data.auto_augment"} <= reached

@@ -16,10 +16,12 @@ from app.devices import WorkerEnv
 from app.loggers import NullLogger
 from app.parallel import LocalSync
 from app.run import prepare_job, write_run_folder
+from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.sampler import ShardedBatches
+from app.precision import Precision
 from app.storage import DatasetRoot
 from app.tables import train_cls_list
-from app.train import Finished, Trainer, train_worker
+from app.train import Finished, Trainer, build_pipelines, train_worker
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -310,3 +312,17 @@ def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs
         assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=0)
     finally:
         trainer.close()
+
+
+def test_auto_augment_flags_reach_the_train_recipe_only(tmp_path):
+    job = train_in_process(tmp_path, "--auto-augment", "ra", "--ra-magnitude", "5",
+                           "--decoder", "pillow", "-j", "0", "--run-name", "augment")
+    precision = Precision.from_config("off", False, "cpu")
+    train, val = build_pipelines(job, WorkerEnv(), precision)
+    try:
+        assert train.loader.dataset.recipe == TrainRecipe(job.image_size, auto_augment="ra",
+                                                          ra_magnitude=5)
+        assert val.loader.dataset.recipe == EvalRecipe(job.image_size)
+    finally:
+        train.close()
+        val.close()

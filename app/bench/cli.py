@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
   python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
+  python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
 """
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. pillow,dali")
     loader.add_argument("--device", default="cpu", help="where batches are delivered (cuda: "
                         "DALI decodes on the GPU)")
+    loader.add_argument("--auto-augment", default="", help="also measure these auto-augment "
+                        "policies, e.g. ta_wide or ta_wide,ra,imagenet: a row each beside the "
+                        "plain one, per decoder")
     loader.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
                         "loader baseline")
     check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests, what "
@@ -139,9 +143,15 @@ def main(argv: list[str]) -> int:
                            args.compile_backend, args.steps, args.settings.split(","))
     elif args.command == "loader":
         from app.bench import loader as bench  # noqa: PLC0415
+        from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
+        unknown = set(filter(None, args.auto_augment.split(","))) - set(AUTO_AUGMENT)
+        if unknown:
+            build_parser().error(f"--auto-augment: unknown {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(AUTO_AUGMENT)}")
         report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
                            args.workers, args.batches, tuple(args.readers.split(",")),
-                           tuple(args.decoders.split(",")), args.device, not args.no_peer)
+                           tuple(args.decoders.split(",")), args.device, not args.no_peer,
+                           tuple(filter(None, args.auto_augment.split(","))))
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,

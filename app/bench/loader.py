@@ -1,7 +1,8 @@
 """Loader-only throughput: read + decode + augment, batches delivered on the device, no model.
 Several datasets (e.g. the local copy and the S3 copy of the same data) in one run, as ratios to
 the first one; an object-store dataset is measured once per reader (today's s3fs path first, as
-the baseline) and every dataset once per decoder (pillow, dali), side by side; the peer's loader
+the baseline) and every dataset once per decoder (pillow, dali), side by side, plain and with
+each auto-augment policy asked for (ratios to the plain row); the peer's loader
 (pytorch/examples, app/bench/peer.py) on the first dataset, with as many processes, is the
 baseline of them all.
 
@@ -42,18 +43,20 @@ def batches_forever(pipeline: InputPipeline):
 
 
 def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, batches: int,
-            decoder: str, device: torch.device) -> dict:
+            decoder: str, device: torch.device, auto_augment: str = "off") -> dict:
     frame = load_tables(root).train
+    recipe = TrainRecipe(image_size, auto_augment=auto_augment)
     pipeline = build_pipeline(decoder, PipelineSpec(
-        root, frame, TrainRecipe(image_size), ShardedBatches(len(frame), batch_size, seed=0),
-        workers, InputFormat(device)))
+        root, frame, recipe, ShardedBatches(len(frame), batch_size, seed=0), workers,
+        InputFormat(device)))
     try:
         sizes = ((len(b), len(b.skipped)) for b in batches_forever(pipeline))
         result = timed(sizes, batches, device)
     finally:
         pipeline.close()  # stop the loader processes before the next dataset starts its own
-    return {"dataset": root.name, "reader": root.reader, "decoder": decoder, "url": root.url,
-            **result, **reader_cost(root, frame, batch_size, batches)}
+    return {"dataset": root.name, "reader": root.reader, "decoder": decoder,
+            "auto_augment": auto_augment, "url": root.url, **result,
+            **reader_cost(root, frame, batch_size, batches)}
 
 
 def measure_peer(root: DatasetRoot, image_size: int, batch_size: int, workers: int,
@@ -116,18 +119,22 @@ def roots_to_measure(catalog: Catalog, names: list[str], readers: tuple[str, ...
 
 def run(catalog_path: str, datasets: list[str], image_size: int, batch_size: int, workers: int,
         batches: int, readers: tuple[str, ...] = DEFAULT_READERS,
-        decoders: tuple[str, ...] = ("pillow",), device: str = "cpu", peer: bool = True) -> dict:
+        decoders: tuple[str, ...] = ("pillow",), device: str = "cpu", peer: bool = True,
+        auto_augment: tuple[str, ...] = ()) -> dict:
     catalog = Catalog.load(catalog_path)
     where = torch.device(device)
     roots = roots_to_measure(catalog, datasets, readers)
-    results = [measure(root, image_size, batch_size, workers, batches, decoder, where)
-               for root in roots for decoder in decoders]
+    augments = ("off", *(name for name in auto_augment if name != "off"))
+    results = [measure(root, image_size, batch_size, workers, batches, decoder, where, augment)
+               for root in roots for decoder in decoders for augment in augments]
     baseline = measure_peer(roots[0], image_size, batch_size, workers, batches, where) \
         if peer else None
     for result in results:
         result["ratio_to_first"] = result["images_per_s"] / results[0]["images_per_s"]
         if baseline:
             result["ratio_to_peer"] = result["images_per_s"] / baseline["images_per_s"]
+        plain = next(r for r in results if same_pipeline(r, result))
+        result["ratio_to_plain"] = result["images_per_s"] / plain["images_per_s"]
         first = next((r for r in results if r["dataset"] == result["dataset"]), result)
         result["cpu_per_get_vs_baseline"] = (result["cpu_ms_per_get"] / first["cpu_ms_per_get"]
                                              if first["cpu_ms_per_get"] else float("nan"))
@@ -136,26 +143,35 @@ def run(catalog_path: str, datasets: list[str], image_size: int, batch_size: int
             "peer": baseline, "results": results, "date": time.strftime("%Y-%m-%d")}
 
 
+def same_pipeline(plain: dict, result: dict) -> bool:
+    """`plain` is `result`'s row without auto-augment."""
+    keys = ("dataset", "reader", "decoder")
+    return plain["auto_augment"] == "off" and all(plain[k] == result[k] for k in keys)
+
+
 def format_report(report: dict) -> str:
     lines = [f"loader only (read + decode + augment, batches on {report['device']}), batch "
              f"{report['batch_size']}, {report['workers']} loader processes, "
              f"{report['image_size']} px, {report['batches']} batches; reader alone: client CPU "
              "per GET, no cache",
-             f"{'dataset':<16}{'reader':<9}{'decoder':<18}{'images/s':>10}{'vs first':>9}"
-             f"{'cores':>6}{'CPU ms/img':>11}{'GETs/s':>9}{'CPU ms/GET':>11}{'vs base':>8}"]
+             f"{'dataset':<16}{'reader':<9}{'decoder':<18}{'augment':<9}{'images/s':>10}"
+             f"{'vs first':>9}{'vs plain':>9}{'cores':>6}{'CPU ms/img':>11}{'GETs/s':>9}"
+             f"{'CPU ms/GET':>11}{'vs base':>8}"]
     peer = report["peer"]
     if peer:
-        lines.append(f"{peer['dataset']:<16}{'-':<9}{peer['decoder']:<18}"
-                     f"{peer['images_per_s']:>10.1f}{'':>9}{peer['cpu_cores']:>6.1f}"
+        lines.append(f"{peer['dataset']:<16}{'-':<9}{peer['decoder']:<18}{'off':<9}"
+                     f"{peer['images_per_s']:>10.1f}{'':>18}{peer['cpu_cores']:>6.1f}"
                      f"{peer['cpu_ms_per_image']:>11.2f}")
     for r in report["results"]:
         lines.append(f"{r['dataset']:<16}{r['reader']:<9}{r['decoder']:<18}"
-                     f"{r['images_per_s']:>10.1f}{r['ratio_to_first']:>9.2f}"
+                     f"{r['auto_augment']:<9}{r['images_per_s']:>10.1f}"
+                     f"{r['ratio_to_first']:>9.2f}{r['ratio_to_plain']:>9.2f}"
                      f"{r['cpu_cores']:>6.1f}{r['cpu_ms_per_image']:>11.2f}"
                      f"{r['gets_per_s']:>9.1f}{r['cpu_ms_per_get']:>11.2f}"
                      f"{r['cpu_per_get_vs_baseline']:>8.2f}")
     if peer:
         lines.append("vs the pytorch/examples loader: " + ", ".join(
-            f"{r['dataset']}/{r['reader']}/{r['decoder']} {r['ratio_to_peer']:.2f}x"
+            f"{r['dataset']}/{r['reader']}/{r['decoder']}/{r['auto_augment']} "
+            f"{r['ratio_to_peer']:.2f}x"
             for r in report["results"]))
     return "\n".join(lines)

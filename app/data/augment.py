@@ -1,8 +1,9 @@
-"""Train and eval recipes: where to crop, whether to flip, and normalisation.
+"""Train and eval recipes: where to crop, whether to flip, which auto-augment ops, and
+normalisation.
 
-Crop boxes are computed from the image size and a per-image seed, so any decoder (Pillow,
-DALI) applies the same recipe. Plain Python: DALI's reader processes import this module, and
-they have no use for torch.
+Crop boxes, flips and ops are computed from the image size and a per-image seed, so any
+decoder (Pillow, DALI) applies the same recipe. Plain Python: DALI's reader processes import
+this module, and they have no use for torch.
 """
 
 from __future__ import annotations
@@ -11,11 +12,21 @@ import math
 import random
 from dataclasses import dataclass
 
+from app.data.auto_augment import Ops, Policy, policy
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Box = tuple[int, int, int, int]  # top, left, height, width
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What happens to one image: crop `box` (resized to the recipe's size), mirror it when
+    `flip`, then apply `ops` in order (auto-augment; empty when off)."""
+    box: Box
+    flip: bool
+    ops: Ops = ()
 
 
 def random_resized_crop_box(height: int, width: int, rng: random.Random,
@@ -50,15 +61,23 @@ def center_crop_box(height: int, width: int, crop_fraction: float) -> Box:
 
 @dataclass(frozen=True)
 class TrainRecipe:
-    """RandomResizedCrop + horizontal flip (normalisation happens on the device)."""
+    """RandomResizedCrop + horizontal flip + auto-augment, in torchvision's order
+    (normalisation happens on the device)."""
     size: int
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    auto_augment: str = "off"  # app/data/auto_augment.py AUTO_AUGMENT
+    ra_magnitude: int = 9
 
-    def plan(self, height: int, width: int, seed: int) -> tuple[Box, bool]:
+    def plan(self, height: int, width: int, seed: int) -> Plan:
         rng = random.Random(seed)
         box = random_resized_crop_box(height, width, rng, self.scale, self.ratio)
-        return box, rng.random() < 0.5
+        flip = rng.random() < 0.5
+        # drawn after the crop and the flip, so those stay what they were without auto-augment
+        return Plan(box, flip, self.policy().draw(rng))
+
+    def policy(self) -> Policy:
+        return policy(self.auto_augment, self.size, self.ra_magnitude)
 
 
 @dataclass(frozen=True)
@@ -67,8 +86,11 @@ class EvalRecipe:
     size: int
     crop_fraction: float = 0.875
 
-    def plan(self, height: int, width: int, seed: int) -> tuple[Box, bool]:
-        return center_crop_box(height, width, self.crop_fraction), False
+    def plan(self, height: int, width: int, seed: int) -> Plan:
+        return Plan(center_crop_box(height, width, self.crop_fraction), False)
+
+    def policy(self) -> Policy:
+        return policy("off", self.size)
 
 
 Recipe = TrainRecipe | EvalRecipe

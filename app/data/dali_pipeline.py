@@ -6,7 +6,9 @@ plan(), so data order and augmentation stay functions of (seed, epoch, image) an
 holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
 JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
 normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW where the
-model wants plain NCHW, as on a CPU).
+model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over each image's
+op ids and magnitudes, and DALI conditionals run each sample's ops (app/data/dali_ops.py)
+between the flip and the normalisation, torchvision's order.
 
 Bad data never ends a run: the reader replaces what it cannot read or decode-check with a
 placeholder and a reason, and this side drops those images and reports them like the Pillow
@@ -22,11 +24,12 @@ import math
 from typing import Iterator
 
 import torch
-from nvidia.dali import Pipeline, fn, types
+from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.dali_memory import decoder_memory
+from app.data.dali_ops import augment
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import ImageDataset, collate
@@ -37,6 +40,7 @@ log = logging.getLogger("imagenet_dp")
 
 READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64, types.INT64,
                 types.UINT8]  # bytes, anchor, shape, mirror, label, row, reason
+OPS_TYPES = [types.INT32, types.FLOAT64]  # with auto-augment: op ids, magnitudes
 BATCHES_AHEAD = 2  # per reader process
 LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
 
@@ -93,28 +97,37 @@ class DaliPipeline:
         source = BatchSource(spec.root, spec.frame, spec.recipe, spec.batches, epoch, step)
         device = spec.form.device
         on_gpu = device.type == "cuda"
-        self.pipe = Pipeline(batch_size=max(1, spec.batches.batch_size),
-                             num_threads=self.memory.threads,
-                             device_id=(device.index or 0) if on_gpu else None,
-                             py_num_workers=max(1, math.ceil(spec.workers / 2)),
-                             py_start_method="spawn", prefetch_queue_depth=2)
-        with self.pipe:
-            jpegs, anchors, shapes, mirror, labels, rows, reasons = fn.external_source(
-                source=source, num_outputs=7, batch=True, batch_info=True, parallel=True,
-                prefetch_queue_depth=BATCHES_AHEAD, dtype=READER_TYPES)
-            images = fn.decoders.image_slice(
-                jpegs, anchors, shapes, output_type=types.RGB, axis_names="WH",
-                normalized_anchor=False, normalized_shape=False, adjust_orientation=False,
-                **(self.gpu_decoder() if on_gpu else {"device": "cpu"}))
-            size = spec.recipe.size
-            images = fn.resize(images, resize_x=size, resize_y=size,
-                               interp_type=types.INTERP_LINEAR, antialias=True)
-            images = fn.crop_mirror_normalize(
-                images, mirror=mirror, dtype=types.FLOAT, output_layout=self.layout(),
-                mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
-            self.pipe.set_outputs(images, labels.gpu() if on_gpu else labels, rows, reasons)
+        slots = spec.recipe.policy().slots
+        # DALI conditionals (an op per sample) exist only in graphs defined by pipeline_def
+        define = pipeline_def(self.graph, enable_conditionals=slots > 0)
+        self.pipe = define(batch_size=max(1, spec.batches.batch_size),
+                           num_threads=self.memory.threads,
+                           device_id=(device.index or 0) if on_gpu else None,
+                           py_num_workers=max(1, math.ceil(spec.workers / 2)),
+                           py_start_method="spawn", prefetch_queue_depth=2,
+                           source=source, on_gpu=on_gpu, slots=slots)
         self.pipe.build()
         self.next = (epoch, step)
+
+    def graph(self, source: BatchSource, on_gpu: bool, slots: int) -> tuple:
+        dtypes = READER_TYPES + (OPS_TYPES if slots else [])
+        jpegs, anchors, shapes, mirror, labels, rows, reasons, *ops = fn.external_source(
+            source=source, num_outputs=len(dtypes), batch=True, batch_info=True, parallel=True,
+            prefetch_queue_depth=BATCHES_AHEAD, dtype=dtypes)
+        images = fn.decoders.image_slice(
+            jpegs, anchors, shapes, output_type=types.RGB, axis_names="WH",
+            normalized_anchor=False, normalized_shape=False, adjust_orientation=False,
+            **(self.gpu_decoder() if on_gpu else {"device": "cpu"}))
+        size = self.spec.recipe.size
+        images = fn.resize(images, resize_x=size, resize_y=size,
+                           interp_type=types.INTERP_LINEAR, antialias=True)
+        if slots:  # the geometric ops do not commute with the flip: flip first
+            images = augment(fn.flip(images, horizontal=mirror), *ops, slots)
+            mirror = 0
+        images = fn.crop_mirror_normalize(
+            images, mirror=mirror, dtype=types.FLOAT, output_layout=self.layout(),
+            mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
+        return images, labels.gpu() if on_gpu else labels, rows, reasons
 
     def layout(self) -> str:
         """HWC is channels_last NCHW once permuted, for free; a model that wants contiguous

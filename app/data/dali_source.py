@@ -1,5 +1,6 @@
-"""What DALI's reader processes run: a batch's bytes and, for each image, the crop box and flip
-of our own recipe, so DALI decodes exactly the region the Pillow path would crop.
+"""What DALI's reader processes run: a batch's bytes and, for each image, the crop box, flip and
+auto-augment ops of our own recipe, so DALI decodes exactly the region the Pillow path would
+crop and applies the same ops with the same magnitudes.
 
 The callable is picklable and imports no torch (DALI spawns its processes and imports this
 module there). It reads through our BlobReader, so every catalog entry (local, S3, cache)
@@ -17,7 +18,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from app.data.augment import Recipe
+from app.data.augment import Plan, Recipe
+from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
@@ -26,6 +28,7 @@ from app.storage import DatasetRoot
 JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
 PNG_END = b"IEND\xaeB`\x82"
 NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
+OP_IDS = {name: index for index, name in enumerate(OP_NAMES)}
 
 
 @functools.cache
@@ -59,8 +62,9 @@ class BatchSource:
     """DALI external_source callback (batch mode): batch `info.iteration` of DALI's epoch
     `info.epoch_idx`, which is our epoch `first_epoch + epoch_idx`; the first one starts at
     `first_step` (a run resumed mid-epoch). Outputs per image: encoded bytes, crop anchor
-    (x, y) and shape (w, h) in pixels, mirror flag, label, row in the table, and the reason it
-    was skipped as UTF-8 (empty for a good image)."""
+    (x, y) and shape (w, h) in pixels, mirror flag, label, row in the table, the reason it
+    was skipped as UTF-8 (empty for a good image); with auto-augment, also the plan's op ids
+    and magnitudes, one per slot of its policy (unused slots: Identity)."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches, first_epoch: int, first_step: int):
@@ -68,6 +72,7 @@ class BatchSource:
         self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
         self.labels = frame.label.to_numpy().astype(np.int64)
         self.recipe = recipe
+        self.slots = recipe.policy().slots
         self.batches = batches
         self.first_epoch, self.first_step = first_epoch, first_step
 
@@ -86,7 +91,7 @@ class BatchSource:
         items = self.batches.items(self.order(epoch), epoch, step)
         paths = [self.paths[index].decode("utf-8") for index, _ in items]
         blobs = self.reader.read_many(paths)
-        columns: tuple[list[np.ndarray], ...] = ([], [], [], [], [], [], [])
+        columns: tuple[list[np.ndarray], ...] = tuple([] for _ in range(9 if self.slots else 7))
         for (index, seed), (data, reason) in zip(items, blobs):
             for column, value in zip(columns, self.sample(index, seed, data, reason)):
                 column.append(value)
@@ -96,12 +101,22 @@ class BatchSource:
         if data is not None:
             try:
                 height, width, data = prepare(data)
-                (top, left, h, w), flip = self.recipe.plan(height, width, seed)
+                plan = self.recipe.plan(height, width, seed)
             except BadImage as error:
                 data, reason = None, str(error)
         if data is None:
-            data, (top, left, h, w), flip = placeholder(), (0, 0, 8, 8), False
+            data, plan = placeholder(), Plan((0, 0, 8, 8), False)
+        top, left, h, w = plan.box
         return (np.frombuffer(data, dtype=np.uint8), np.array([left, top], dtype=np.int32),
-                np.array([w, h], dtype=np.int32), np.array(int(flip), dtype=np.int32),
+                np.array([w, h], dtype=np.int32), np.array(int(plan.flip), dtype=np.int32),
                 np.array(self.labels[index]), np.array(index, dtype=np.int64),
-                np.frombuffer(reason.encode("utf-8"), dtype=np.uint8))
+                np.frombuffer(reason.encode("utf-8"), dtype=np.uint8),
+                *(op_columns(plan.ops, self.slots) if self.slots else ()))
+
+
+def op_columns(ops: Ops, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """A plan's ops as DALI's per-sample inputs: op ids (int32) and magnitudes (float64, the
+    plan's own values), padded with Identity to the policy's slots."""
+    padded = ops + (IDENTITY,) * (slots - len(ops))
+    return (np.array([OP_IDS[name] for name, _ in padded], dtype=np.int32),
+            np.array([magnitude for _, magnitude in padded], dtype=np.float64))

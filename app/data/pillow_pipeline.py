@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.augment import Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
+from app.data.pillow_ops import apply_ops
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
@@ -65,12 +66,15 @@ class ReadAhead:
 
 
 def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
-    """Crop, resize (antialiased bilinear) and flip an RGB image -> uint8 tensor (S, S, 3)."""
-    (top, left, h, w), flip = recipe.plan(image.height, image.width, seed)
+    """Crop, resize (antialiased bilinear), flip and auto-augment an RGB image -> uint8 tensor
+    (S, S, 3)."""
+    plan = recipe.plan(image.height, image.width, seed)
+    top, left, h, w = plan.box
     out = image.resize((recipe.size, recipe.size), Image.Resampling.BILINEAR,
                        box=(left, top, left + w, top + h))
-    if flip:
+    if plan.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    out = apply_ops(out, plan.ops)
     return torch.from_numpy(np.asarray(out).copy())
 
 
