@@ -119,7 +119,7 @@ def test_ranges_declared_beside_the_parameters_are_checked(flags, fragment):
         parse_config(flags)
 
 
-def test_auto_augment_flags_have_torchvisions_names_in_their_own_section(tmp_path):
+def test_auto_augment_flags_have_torchvisions_names_in_the_augment_section(tmp_path):
     config, _ = parse_config([])
     assert (config.augment.auto_augment, config.augment.ra_magnitude) == ("off", 9)
     config, _ = parse_config(["--auto-augment", "ta_wide", "--ra-magnitude", "12"])
