@@ -126,13 +126,13 @@ def test_bucket_hooks_fire_for_a_compiled_model():
 @pytest.mark.parametrize("make_model, size", [(small_model, 6), (resnet, 32)])
 def test_compiled_ddp_computes_the_eager_gradients(make_model, size):
     """Whole (dynamo's DDPOptimizer splits the graph) and by regions (DDP's hooks fire per
-    region, as in eager mode)."""
+    region, as in eager mode); gradients as views of DDP's buckets, as allreduce.py has them."""
     torch._dynamo.reset()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=60))
     try:
         eager, wrapped = make_model(), make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped, gradient_as_bucket_view=True)
         inputs = torch.randn(8, 3, size, size)
         CompiledForFullBatches(ddp, 8, "aot_eager")(inputs).square().sum().backward()
         eager(inputs).square().sum().backward()
