@@ -51,9 +51,28 @@ class DataConfig:
         0, "class subset: a count (first N of the synset mapping) or comma-separated wnids; "
         "0 = all", check=(lambda v: not isinstance(v, int) or v >= 0,
                           "must be 0 (all), a positive count or a list of wnids"))
-    image_size: int = param(0, "train/val crop size in pixels; 0 = the dataset's image_size, "
-                            "else 224", check=(lambda v: v >= 0, "must be 0 (auto) or a "
-                                                                 "positive size"))
+    image_size: int = param(0, "train and val crop size in pixels (sets both of "
+                            "--train-crop-size and --val-crop-size); 0 = the dataset's "
+                            "image_size, else 224", check=(lambda v: v >= 0, "must be 0 (auto) "
+                                                           "or a positive size"))
+    train_crop_size: int = param(0, "train crop size (RandomResizedCrop's output); 0 = "
+                                 "--image-size", check=at_least(0))
+    val_resize_size: int = param(0, "val: resize the shorter side to this, then centre-crop "
+                                 "--val-crop-size; 0 = the crop / 0.875 (256 for 224)",
+                                 check=at_least(0))
+    val_crop_size: int = param(0, "val centre crop size; 0 = --image-size", check=at_least(0))
+    # FFCV's progressive resizing (its resolution.min_res, max_res, start_ramp, end_ramp)
+    progressive_start_size: int = param(
+        0, "progressive resizing: train crop size up to --progressive-start-epoch (0 = off); "
+        "then linear, rounded to multiples of 32, up to --progressive-end-size at "
+        "--progressive-end-epoch. Epochs count from 0, as in FFCV; its ResNet-50 88-epoch "
+        "config: 160, 192, 65, 76", check=at_least(0))
+    progressive_end_size: int = param(0, "progressive resizing: the last train crop size",
+                                      check=at_least(0))
+    progressive_start_epoch: int = param(0, "progressive resizing: the epoch the ramp starts",
+                                         check=at_least(0))
+    progressive_end_epoch: int = param(0, "progressive resizing: the epoch the ramp reaches "
+                                       "--progressive-end-size", check=at_least(0))
     train_index: str = param(
         "cls", "train image list: cls = ImageSets/CLS-LOC/train_cls.txt (all images), "
         "csv = LOC_train_solution.csv (boxed images only, ~42%%), listing = directory listing",
@@ -241,6 +260,7 @@ def validate(config: Config) -> None:
             if check and not check[0](getattr(values, f.name)):
                 raise UserError(f"{section.name}.{f.name} {check[1]}, got "
                                 f"{getattr(values, f.name)!r}")
+    validate_progressive(config.data)
     if config.parallel.gpus and config.parallel.devices:
         raise UserError("give either --gpus or --devices, not both")
     kinds = {device.split(":")[0] for device in config.parallel.devices}
@@ -250,3 +270,18 @@ def validate(config: Config) -> None:
         # worker does not have.
         raise UserError(f"--devices {','.join(config.parallel.devices)} mixes CPU and CUDA "
                         "devices; give all cuda:N or all cpu")
+
+
+def validate_progressive(data: DataConfig) -> None:
+    if not (data.progressive_start_size or data.progressive_end_size):
+        return
+    if not (data.progressive_start_size and data.progressive_end_size):
+        raise UserError("progressive resizing needs both --progressive-start-size and "
+                        "--progressive-end-size")
+    if data.train_crop_size:
+        raise UserError("give either --train-crop-size or progressive resizing "
+                        "(--progressive-start-size ...), not both")
+    if (data.progressive_start_size != data.progressive_end_size
+            and data.progressive_end_epoch <= data.progressive_start_epoch):
+        raise UserError(f"--progressive-end-epoch ({data.progressive_end_epoch}) must be after "
+                        f"--progressive-start-epoch ({data.progressive_start_epoch})")

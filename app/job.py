@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.storage import DatasetRoot
 from app.config import Config
+from app.data.resolution import Resolution
+from app.storage import DatasetRoot
 from app.tables import Tables
 
 
@@ -15,7 +16,7 @@ class TrainJob:
     config: Config  # resolved: dataset, image size and run name filled in
     root: DatasetRoot
     tables: Tables
-    image_size: int
+    resolution: Resolution  # train size per epoch, val resize and crop
     run_dir: str
     resume_from: str = ""  # a checkpoint path, or "" to start fresh
     run_id: str = ""  # stable across resumes: names the run in wandb, stored in checkpoints

@@ -19,6 +19,7 @@ from app.devices import TorchrunEnv
 from app.config import Config
 from app.config_sources import dump_toml, parse_config
 from app.errors import UserError
+from app.data.resolution import resolve
 from app.files import write_atomically
 from app.interrupts import PREEMPTED_EXIT_CODE
 from app.job import TrainJob
@@ -137,7 +138,12 @@ def prepare_job(config: Config) -> TrainJob:
     tables = load_tables(root, config.data.classes, config.data.train_index)
     for note in tables.notes:
         log.warning("%s", note)
-    image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    data = config.data
+    image_size = data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    resolution = resolve(image_size, train_crop=data.train_crop_size,
+                         val_resize=data.val_resize_size, val_crop=data.val_crop_size,
+                         progressive=(data.progressive_start_size, data.progressive_end_size,
+                                      data.progressive_start_epoch, data.progressive_end_epoch))
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.output_dir) / name
     run_id = resumed_run_id(resume_from) or new_run_id()
@@ -145,7 +151,7 @@ def prepare_job(config: Config) -> TrainJob:
         config,
         data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
         run=dataclasses.replace(config.run, name=name, resume=resume_from))
-    return TrainJob(config, root, tables, image_size, str(run_dir), resume_from, run_id)
+    return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id)
 
 
 def resolve_resume(config: Config) -> tuple[str, str]:
@@ -198,6 +204,6 @@ def write_run_folder(job: TrainJob) -> None:
     except OSError as error:
         raise UserError(f"cannot write the run folder {path}: {error.strerror}; choose another "
                         "--output-dir") from None
-    log.info("run %s: %s, %d classes, %d train / %d val images, %d px, outputs in %s",
+    log.info("run %s: %s, %d classes, %d train / %d val images, %s, outputs in %s",
              job.config.run.name, job.root.name, job.tables.num_classes, len(job.tables.train),
-             len(job.tables.val), job.image_size, path)
+             len(job.tables.val), job.resolution.describe(job.config.train.epochs), path)

@@ -5,7 +5,9 @@ or one with skipped images) would compile a second graph, and the automatic dyna
 graph that follows can replace the fast static one for every later step. Padding is no way
 out either: padded images would enter the BatchNorm statistics. So full batches run the
 compiled graph and any other size runs the same module eagerly: one compilation per mode
-(train, eval) for the whole run, and the odd step costs eager speed only.
+(train, eval) and image size for the whole run, and the odd step costs eager speed only.
+Progressive resizing adds one graph per train size (`compiled_graphs` counts them), never one
+per step: shapes stay static, each new size compiles once and is reused from then on.
 
 What is compiled are regions, not the whole model: each block of a ResNet's stages. A compiled
 backward is one autograd node, so with the whole model compiled every parameter's gradient
@@ -44,12 +46,12 @@ class CompiledForFullBatches(nn.Module):
     module, so checkpoint.unwrap and every .parameters()/.buffers()/.train() see through it;
     regions are compiled in place (nn.Module.compile), so state_dict keys stay plain."""
 
-    def __init__(self, module: nn.Module, batch_size: int, backend: str):
+    def __init__(self, module: nn.Module, batch_size: int, backend: str, image_sizes: int = 2):
         super().__init__()
         self.module = module
         self.batch_size = batch_size
         # Not a registered submodule: it holds the same parameters (or is the module itself).
-        self.__dict__["compiled"] = compile_regions(module, backend)
+        self.__dict__["compiled"] = compile_regions(module, backend, image_sizes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.shape[0] == self.batch_size:
@@ -58,8 +60,9 @@ class CompiledForFullBatches(nn.Module):
             return self.module(images)
 
 
-def compile_regions(module: nn.Module, backend: str) -> nn.Module:
-    """Compile every block of the model's stages in place and return `module`; a model
+def compile_regions(module: nn.Module, backend: str, image_sizes: int = 2) -> nn.Module:
+    """Compile every block of the model's stages in place and return `module`, for inputs of
+    `image_sizes` sizes (train sizes, plus the val size: eval is a graph of its own); a model
     without stages is compiled whole (one region: its buckets leave after backward, and under
     DDP dynamo's DDPOptimizer splits the graph at DDP's buckets instead).
 
@@ -68,8 +71,9 @@ def compile_regions(module: nn.Module, backend: str) -> nn.Module:
     conv makes the last gradient of backward, after which there is nothing left to overlap."""
     blocks = stage_blocks(checkpoint.unwrap(module))
     if not blocks:
+        allow_graphs_per_code(image_sizes)
         return torch.compile(module, backend=backend, dynamic=False)
-    allow_graphs_per_code(2 * len(blocks))
+    allow_graphs_per_code(image_sizes * len(blocks))
     for block in blocks:
         # Static shapes: short batches never reach the compiled code (see forward above).
         block.compile(backend=backend, dynamic=False)
@@ -89,8 +93,15 @@ def allow_graphs_per_code(graphs: int) -> None:
     """The blocks of a ResNet share one `forward` code object, and dynamo keeps at most
     `recompile_limit` (8) graphs per code object, then runs the rest eagerly with a warning.
     Blocks differ in shapes and in having a downsample, and train and eval are two graphs each:
-    resnet18 needs 14 and resnet50 16. At most one graph per region and mode is the bound (short
-    batches never compile), so the limit is raised to it."""
+    resnet18 needs 14 and resnet50 16, and each further image size as many again. At most one
+    graph per region, mode and size is the bound (short batches never compile), so the limit
+    is raised to it."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, graphs)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, graphs)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415  (dynamo's own bookkeeping)
+    return counters["stats"]["unique_graphs"]

@@ -20,11 +20,9 @@ import torch
 import torch.nn as nn
 
 from app import checkpoint, preflight, run_state
-from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.batch_augment import BatchAugment
-from app.data.decoders import build_pipeline
-from app.data.pipeline import DeviceBatch, InputFormat, InputPipeline, PipelineSpec
-from app.data.sampler import ShardedBatches
+from app.data.pipeline import DeviceBatch
+from app.data.worker_pipelines import build_pipelines
 from app.devices import WorkerEnv
 from app.evaluate import evaluate
 from app.interrupts import NoRequests, Requests
@@ -35,7 +33,8 @@ from app.optim import build_optimizer, build_scheduler, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
 from app.skipped import SkippedLog, check_bad_fraction
-from app.speed import CompiledForFullBatches, compile_enabled, configure_backends
+from app.speed import (CompiledForFullBatches, compile_enabled, compiled_graphs,
+                       configure_backends)
 
 log = logging.getLogger("imagenet_dp")
 
@@ -140,9 +139,11 @@ class Trainer:
             preflight.check_room_for_checkpoints(job, model)
         self.model = sync.prepare(model)
         self.compiling = compile_enabled(config.train.compile, self.precision.device)
+        self.compiled_sizes: set[int] = set()  # train sizes whose first step was reported
         if self.compiling:  # after prepare: torch.compile wraps DDP, not the other way round
+            sizes = len(job.resolution.train.distinct(config.train.epochs)) + 1  # + val
             self.model = CompiledForFullBatches(self.model, config.train.batch_size,
-                                                config.train.compile_backend)
+                                                config.train.compile_backend, sizes)
 
     # --- state: what a checkpoint holds (app/run_state.py writes and reads it) -------------
 
@@ -214,6 +215,7 @@ class Trainer:
         self.model.train()
         epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
         steps = self.train_data.steps_per_epoch()
+        size = self.image_size(epoch)
         started = tick = time.perf_counter()
         for batch in self.train_data.epoch(epoch, start_step=self.position.epoch_step):
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -221,8 +223,9 @@ class Trainer:
             loss = self.train_step(batch)
             self.position.step += 1
             self.position.epoch_step += 1
-            if self.compiling and len(batch) == self.job.config.train.batch_size:
-                self.report_compile_time(step_started)
+            if (self.compiling and size not in self.compiled_sizes
+                    and len(batch) == self.job.config.train.batch_size):
+                self.report_compile_time(step_started, size)
             self.interval.add(loss, len(batch), len(batch.skipped))
             self.skipped.add(epoch + 1, "train", batch.skipped)
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
@@ -259,15 +262,23 @@ class Trainer:
         self.scheduler.step()
         return loss.detach() if loss is not None else None
 
-    def report_compile_time(self, step_started: float) -> None:
-        """The first compiled step includes the compilation (about a minute for a ResNet-50):
-        worth a record of its own. Waits for the device once, at this step only."""
-        self.compiling = False
+    def image_size(self, epoch: int) -> int:
+        return self.job.resolution.train.at(epoch)
+
+    def report_compile_time(self, step_started: float, size: int) -> None:
+        """The first compiled step at each train size includes the compilation (about a minute
+        for a ResNet-50): worth a record of its own, with the count of compiled graphs (one
+        per region, mode and size, never one per step). Waits for the device once per size."""
+        self.compiled_sizes.add(size)
         if self.precision.device.type == "cuda":
             torch.cuda.synchronize(self.precision.device)
         seconds = time.perf_counter() - step_started
-        log.info("first compiled step (compilation included): %.1f s", seconds)
-        self.logger.log_metrics(self.position.step, {"compile/first_step_s": seconds})
+        graphs = compiled_graphs()
+        log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
+                 "so far: %d", size, seconds, graphs)
+        self.logger.log_metrics(self.position.step, {"compile/first_step_s": seconds,
+                                                     "compile/graphs": graphs,
+                                                     "train/image_size": size})
 
     def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""
@@ -291,7 +302,8 @@ class Trainer:
         val = self.evaluate()
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
-                   "train/images": int(images), "train/skipped": int(skipped), **val}
+                   "train/images": int(images), "train/skipped": int(skipped),
+                   "train/image_size": self.image_size(self.position.epoch - 1), **val}
         path = self.save(top1=metrics["val/top1"])
         metrics["epoch/time_s"] = time.perf_counter() - started
         self.logger.log_metrics(self.position.step, metrics)
@@ -316,27 +328,3 @@ class Trainer:
     def close(self) -> None:
         self.train_data.close()
         self.val_data.close()
-
-
-def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
-                    ) -> tuple[InputPipeline, InputPipeline]:
-    """This worker's train and val pipelines, with the decoder the config names."""
-    config = job.config
-    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
-    batch_size, workers = config.train.batch_size, config.data.workers
-    augment = config.augment  # --ra-reps counts only with --ra-sampler, as in torchvision
-    repetitions = augment.ra_reps if augment.ra_sampler else 1
-    recipe = TrainRecipe(job.image_size, auto_augment=augment.auto_augment,
-                         ra_magnitude=augment.ra_magnitude)
-    train = PipelineSpec(job.root, job.tables.train, recipe,
-                         ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
-                                        world_size=env.world_size, seed=config.train.seed,
-                                        repetitions=repetitions),
-                         workers, form)
-    val = PipelineSpec(job.root, job.tables.val, EvalRecipe(job.image_size),
-                       ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,
-                                      world_size=env.world_size, shuffle=False),
-                       workers, form)
-    options = {"hw_decoder_load": config.data.hw_decoder_load}
-    return (build_pipeline(config.data.decoder, train, **options),
-            build_pipeline(config.data.decoder, val, **options))

@@ -25,6 +25,7 @@ from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
 from app.data.pipeline import InputFormat, PipelineSpec  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
+from app.data.resolution import TrainSizes  # noqa: E402
 from app.config_sources import parse_config  # noqa: E402
 from app.devices import WorkerEnv  # noqa: E402
 from app.interrupts import Action  # noqa: E402
@@ -63,17 +64,20 @@ def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
     root = DatasetRoot("tiny", str(tiny_sample))
     frame = load_tables(root).train
     batches = ShardedBatches(len(frame), 16, rank=1, world_size=2, seed=3)
-    recipe = TrainRecipe(32, auto_augment="imagenet")  # 0, 1 or 2 ops in 2 slots
+    # 0, 1 or 2 ops in 2 slots; progressive sizes: 32 px in epoch 4, 64 in 5 (translations too)
+    recipe = TrainRecipe.for_sizes(TrainSizes(32, 64, 4, 5), auto_augment="imagenet")
     source = BatchSource(root, frame, recipe, batches, first_epoch=4, first_step=2)
     flips, counts = 0, set()
     for info, (epoch, step) in [(Info(0, 0), (4, 2)), (Info(1, 0), (4, 3)), (Info(0, 1), (5, 0))]:
-        jpegs, anchors, shapes, mirror, labels, rows, reasons, op_ids, magnitudes = source(info)
+        jpegs, anchors, shapes, mirror, labels, rows, reasons, sizes, op_ids, magnitudes = \
+            source(info)
+        assert {float(size) for size in sizes} == {32.0 if epoch == 4 else 64.0}
         items = batches.items(batches.order(epoch), epoch, step)  # resume offsets applied
         assert [int(r) for r in rows] == [index for index, _ in items]
         for (index, seed), anchor, shape, flip, label, ids, values in zip(
                 items, anchors, shapes, mirror, labels, op_ids, magnitudes):
             with Image.open(tiny_sample / frame.path[index]) as image:
-                plan = recipe.plan(image.height, image.width, seed)
+                plan = recipe.at_epoch(epoch).plan(image.height, image.width, seed)
             top, left, h, w = plan.box
             assert anchor.tolist() == [left, top] and shape.tolist() == [w, h]
             assert bool(flip) == plan.flip and int(label) == frame.label[index]
@@ -120,6 +124,27 @@ def test_dali_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment)
         assert b.images.dtype == torch.float32 and b.images.is_contiguous()
         pixels = ((a.images - b.images) * STD).abs()[~equalized(root, frame, spec, 2, step)]
         assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
+
+
+def test_both_decoders_change_size_with_the_epoch_and_dali_needs_no_rebuild(tiny_sample):
+    """Progressive resizing: epoch 1 at 32 px, epoch 2 at 64, from one DALI build."""
+    root = DatasetRoot("tiny", str(tiny_sample))
+    frame = load_tables(root).train
+    recipe = TrainRecipe.for_sizes(TrainSizes(32, 64, 1, 2))
+    spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 64, seed=1))
+    pillow, dali = build_pipeline("pillow", spec), build_pipeline("dali", spec)
+    try:
+        dali.open(1)
+        built = dali.pipe
+        for epoch, size in [(1, 32), (2, 64)]:
+            for a, b in zip(pillow.epoch(epoch), dali.epoch(epoch), strict=True):
+                assert a.images.shape[-2:] == b.images.shape[-2:] == (size, size)
+                assert torch.equal(a.labels, b.labels)
+                assert ((a.images - b.images) * STD).abs().mean() <= 1.0
+        assert dali.pipe is built
+    finally:
+        pillow.close()
+        dali.close()
 
 
 def test_a_short_last_batch_is_kept(tiny_sample):

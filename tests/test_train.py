@@ -9,6 +9,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch._dynamo.utils import counters
 
 from app import checkpoint
 from app.config_sources import parse_config
@@ -19,9 +20,11 @@ from app.run import prepare_job, write_run_folder
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.sampler import ShardedBatches
 from app.precision import Precision
+from app.speed import compiled_graphs, stage_blocks
 from app.storage import DatasetRoot
 from app.tables import train_cls_list
-from app.train import Finished, Trainer, build_pipelines, train_worker
+from app.data.worker_pipelines import build_pipelines
+from app.train import Finished, Trainer, train_worker
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -49,6 +52,7 @@ def test_training_learns_the_tiny_sample(trained_run):
     assert epochs[-1]["val/top5"] >= epochs[-1]["val/top1"]
     assert epochs[-1]["train/epoch_loss"] < 0.6 * epochs[0]["train/epoch_loss"]
     assert epochs[-1]["val/images"] == 100  # every val image, once
+    assert [r["train/image_size"] for r in epochs] == [32] * 4
     assert result.stdout.count("val top-1") == 4
 
 
@@ -180,6 +184,46 @@ def test_resume_repeats_the_batch_augmentations_exactly(tmp_path):
     for key, state in a["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"],
                            b["optimizer"]["state"][key]["momentum_buffer"])
+
+
+PROGRESSIVE = ("--progressive-start-size", "32", "--progressive-end-size", "64",
+               "--progressive-start-epoch", "0", "--progressive-end-epoch", "1")
+
+
+def test_resume_with_progressive_resizing_continues_exactly(tmp_path):
+    """Epoch 1 at 32 px, epoch 2 at 64 px: the resumed run takes the size from the epoch."""
+    a, b = straight_and_resumed(tmp_path, 2, 5, "--classes", "5", *PROGRESSIVE)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+class Recorder(NullLogger):
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, step, metrics):
+        self.rows.append(metrics)
+
+
+def test_progressive_resizing_compiles_one_graph_per_size_not_per_step(tmp_path):
+    """Regions compiled with aot_eager (no code generation): 5 steps an epoch at 32 then 64 px;
+    val at 32 px. Each block compiles once per (mode, size) it meets, whatever the steps."""
+    torch._dynamo.reset()
+    counters.clear()
+    job = train_in_process(tmp_path, "--classes", "5", "--epochs", "2", *PROGRESSIVE,
+                           "--compile", "on", "--compile-backend", "aot_eager",
+                           "--run-name", "progressive")
+    recorder = Recorder()
+    train_worker(job, WorkerEnv(), LocalSync(), recorder)
+    blocks = len(stage_blocks(timm.create_model("test_resnet")))
+    epochs = [row for row in recorder.rows if "val/top1" in row]
+    assert [row["train/image_size"] for row in epochs] == [32, 64]
+    compiles = [row for row in recorder.rows if "compile/graphs" in row]
+    # train at 32; then eval at 32 (epoch 1's evaluation) and train at 64
+    assert [(row["train/image_size"], row["compile/graphs"]) for row in compiles] == \
+        [(32, blocks), (64, 3 * blocks)]
+    assert compiled_graphs() == 3 * blocks  # the second evaluation compiled nothing new
+    torch._dynamo.reset()
 
 
 class CrashAtFirstLog(NullLogger):
@@ -314,15 +358,31 @@ def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs
         trainer.close()
 
 
-def test_auto_augment_flags_reach_the_train_recipe_only(tmp_path):
+def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
     job = train_in_process(tmp_path, "--auto-augment", "ra", "--ra-magnitude", "5",
-                           "--decoder", "pillow", "-j", "0", "--run-name", "augment")
+                           "--train-crop-size", "48", "--val-resize-size", "40",
+                           "--val-crop-size", "36", "--decoder", "pillow", "-j", "0",
+                           "--run-name", "augment")
     precision = Precision.from_config("off", False, "cpu")
     train, val = build_pipelines(job, WorkerEnv(), precision)
     try:
-        assert train.loader.dataset.recipe == TrainRecipe(job.image_size, auto_augment="ra",
+        assert train.loader.dataset.recipe == TrainRecipe(48, auto_augment="ra",
                                                           ra_magnitude=5)
-        assert val.loader.dataset.recipe == EvalRecipe(job.image_size)
+        assert val.loader.dataset.recipe == EvalRecipe(36, 36 / 40)
+        assert next(train.epoch(0)).images.shape[-2:] == (48, 48)
+        assert next(val.epoch(0)).images.shape[-2:] == (36, 36)
     finally:
         train.close()
         val.close()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path):
+    """Each config's own recipe (augmentations, sampler, schedule) for an epoch of 2 classes,
+    with the model, sizes and batch made small: no config rots."""
+    job = train_in_process(tmp_path, "--config", str(path), "--classes", "2", "--epochs", "1",
+                           "--train-crop-size", "32", "--val-resize-size", "36", "-b", "8",
+                           "--run-name", path.stem)
+    metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
+    assert metrics["epoch"] == 1 and metrics["train/images"] > 0
+    assert metrics["val/images"] == 20 and metrics["train/image_size"] == 32

@@ -8,11 +8,13 @@ this module, and they have no use for torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
 
 from app.data.auto_augment import Ops, Policy, policy
+from app.data.resolution import DEFAULT_CROP_FRACTION, TrainSizes
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -62,12 +64,25 @@ def center_crop_box(height: int, width: int, crop_fraction: float) -> Box:
 @dataclass(frozen=True)
 class TrainRecipe:
     """RandomResizedCrop + horizontal flip + auto-augment, in torchvision's order
-    (normalisation happens on the device)."""
+    (normalisation happens on the device). `size` is the crop's; with `sizes` (progressive
+    resizing) it is the first epoch's, and `at_epoch` gives each epoch's recipe."""
     size: int
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     auto_augment: str = "off"  # app/data/auto_augment.py AUTO_AUGMENT
     ra_magnitude: int = 9
+    sizes: TrainSizes | None = None
+
+    @classmethod
+    def for_sizes(cls, sizes: TrainSizes, **options) -> "TrainRecipe":
+        return cls(sizes.at(0), sizes=sizes if sizes.progressive else None, **options)
+
+    def at_epoch(self, epoch: int) -> "TrainRecipe":
+        """This epoch's recipe: its size from the schedule (auto-augment's translations
+        scale with it)."""
+        if self.sizes is None:
+            return self
+        return dataclasses.replace(self, size=self.sizes.at(epoch))
 
     def plan(self, height: int, width: int, seed: int) -> Plan:
         rng = random.Random(seed)
@@ -84,7 +99,10 @@ class TrainRecipe:
 class EvalRecipe:
     """Resize the shorter side to size / crop_fraction, then centre-crop size x size."""
     size: int
-    crop_fraction: float = 0.875
+    crop_fraction: float = DEFAULT_CROP_FRACTION
+
+    def at_epoch(self, epoch: int) -> "EvalRecipe":
+        return self
 
     def plan(self, height: int, width: int, seed: int) -> Plan:
         return Plan(center_crop_box(height, width, self.crop_fraction), False)

@@ -32,14 +32,15 @@ from app.data.dali_memory import decoder_memory
 from app.data.dali_ops import augment
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
-from app.data.pillow_pipeline import ImageDataset, collate
+from app.data.pillow_pipeline import BatchRequest, ImageDataset, collate
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.errors import first_line
 
 log = logging.getLogger("imagenet_dp")
 
+# bytes, anchor, shape, mirror, label, row, reason, output size
 READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64, types.INT64,
-                types.UINT8]  # bytes, anchor, shape, mirror, label, row, reason
+                types.UINT8, types.FLOAT]
 OPS_TYPES = [types.INT32, types.FLOAT64]  # with auto-augment: op ids, magnitudes
 BATCHES_AHEAD = 2  # per reader process
 LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
@@ -85,7 +86,7 @@ class DaliPipeline:
                 batch = self.redo_with_pillow(epoch, step)
                 self.build(epoch, step + 1)
             else:
-                batch = self.to_batch(*outputs, stream)
+                batch = self.to_batch(*outputs, stream, self.spec.recipe.at_epoch(epoch).size)
             self.next = (epoch, step + 1)
             yield batch
         self.end_epoch(epoch)
@@ -111,14 +112,14 @@ class DaliPipeline:
 
     def graph(self, source: BatchSource, on_gpu: bool, slots: int) -> tuple:
         dtypes = READER_TYPES + (OPS_TYPES if slots else [])
-        jpegs, anchors, shapes, mirror, labels, rows, reasons, *ops = fn.external_source(
+        jpegs, anchors, shapes, mirror, labels, rows, reasons, size, *ops = fn.external_source(
             source=source, num_outputs=len(dtypes), batch=True, batch_info=True, parallel=True,
             prefetch_queue_depth=BATCHES_AHEAD, dtype=dtypes)
         images = fn.decoders.image_slice(
             jpegs, anchors, shapes, output_type=types.RGB, axis_names="WH",
             normalized_anchor=False, normalized_shape=False, adjust_orientation=False,
             **(self.gpu_decoder() if on_gpu else {"device": "cpu"}))
-        size = self.spec.recipe.size
+        # the size comes per sample from the source: progressive resizing needs no rebuild
         images = fn.resize(images, resize_x=size, resize_y=size,
                            interp_type=types.INTERP_LINEAR, antialias=True)
         if slots:  # the geometric ops do not commute with the flip: flip first
@@ -156,11 +157,11 @@ class DaliPipeline:
         device = self.spec.form.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def to_batch(self, images, labels, rows, reasons, stream) -> DeviceBatch:
+    def to_batch(self, images, labels, rows, reasons, stream, size: int) -> DeviceBatch:
         """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
         the copy is queued on `stream`, torch's, without a host wait), the placeholders
         dropped. The rows and reasons are CPU outputs, ready on the host when run() returns."""
-        form, count, size = self.spec.form, len(rows), self.spec.recipe.size
+        form, count = self.spec.form, len(rows)
         shape = (count, size, size, 3) if self.layout() == "HWC" else (count, 3, size, size)
         pixels = torch.empty(shape, dtype=torch.float32, device=form.device)
         targets = torch.empty(count, dtype=torch.int64, device=form.device)
@@ -183,7 +184,7 @@ class DaliPipeline:
         if self.fallback is None:
             self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe)
         items = spec.batches.items(spec.batches.order(epoch), epoch, step)
-        host = collate(self.fallback.__getitems__(items))
+        host = collate(self.fallback.__getitems__(BatchRequest(items, [], epoch)))
         images, labels = self.to_device(host.images, host.labels)
         return DeviceBatch(images, labels, host.skipped)
 

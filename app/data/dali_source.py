@@ -63,7 +63,7 @@ class BatchSource:
     `info.epoch_idx`, which is our epoch `first_epoch + epoch_idx`; the first one starts at
     `first_step` (a run resumed mid-epoch). Outputs per image: encoded bytes, crop anchor
     (x, y) and shape (w, h) in pixels, mirror flag, label, row in the table, the reason it
-    was skipped as UTF-8 (empty for a good image); with auto-augment, also the plan's op ids
+    was skipped as UTF-8 (empty for a good image), the epoch's output size; with auto-augment, also the plan's op ids
     and magnitudes, one per slot of its policy (unused slots: Identity)."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
@@ -91,17 +91,19 @@ class BatchSource:
         items = self.batches.items(self.order(epoch), epoch, step)
         paths = [self.paths[index].decode("utf-8") for index, _ in items]
         blobs = self.reader.read_many(paths)
-        columns: tuple[list[np.ndarray], ...] = tuple([] for _ in range(9 if self.slots else 7))
+        recipe = self.recipe.at_epoch(epoch)
+        columns: tuple[list[np.ndarray], ...] = tuple([] for _ in range(10 if self.slots else 8))
         for (index, seed), (data, reason) in zip(items, blobs):
-            for column, value in zip(columns, self.sample(index, seed, data, reason)):
+            for column, value in zip(columns, self.sample(recipe, index, seed, data, reason)):
                 column.append(value)
         return columns
 
-    def sample(self, index: int, seed: int, data: bytes | None, reason: str) -> tuple:
+    def sample(self, recipe: Recipe, index: int, seed: int, data: bytes | None,
+               reason: str) -> tuple:
         if data is not None:
             try:
                 height, width, data = prepare(data)
-                plan = self.recipe.plan(height, width, seed)
+                plan = recipe.plan(height, width, seed)
             except BadImage as error:
                 data, reason = None, str(error)
         if data is None:
@@ -111,6 +113,7 @@ class BatchSource:
                 np.array([w, h], dtype=np.int32), np.array(int(plan.flip), dtype=np.int32),
                 np.array(self.labels[index]), np.array(index, dtype=np.int64),
                 np.frombuffer(reason.encode("utf-8"), dtype=np.uint8),
+                np.array(recipe.size, dtype=np.float32),
                 *(op_columns(plan.ops, self.slots) if self.slots else ()))
 
 

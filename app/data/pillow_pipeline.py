@@ -40,6 +40,7 @@ class BatchRequest:
     asked for next (only a hint for the reader: never part of the batch)."""
     items: list[tuple[int, int]]  # (row, augmentation seed), from ShardedBatches
     upcoming: list[int]
+    epoch: int = 0  # picks the recipe's size (progressive resizing)
 
 
 class ReadAhead:
@@ -61,7 +62,8 @@ class ReadAhead:
         while window:
             current = window.popleft()
             mine_next = itertools.islice(window, self.stride - 1, None, self.stride)
-            yield BatchRequest(current, [row for batch in mine_next for row, _ in batch])
+            yield BatchRequest(current, [row for batch in mine_next for row, _ in batch],
+                               self.batches.epoch)
             window.extend(itertools.islice(batches, 1))
 
 
@@ -117,15 +119,17 @@ class ImageDataset(Dataset):
         paths = [self.paths[index].decode("utf-8") for index, _ in items]
         upcoming = [self.paths[index].decode("utf-8") for index in request.upcoming]
         blobs = self.reader.read_many(paths, upcoming)
-        return [self.decode(path, blob, index, seed)
+        recipe = self.recipe.at_epoch(request.epoch)
+        return [self.decode(path, blob, index, seed, recipe)
                 for path, blob, (index, seed) in zip(paths, blobs, items)]
 
-    def decode(self, path: str, blob: tuple[bytes | None, str], index: int, seed: int):
+    def decode(self, path: str, blob: tuple[bytes | None, str], index: int, seed: int,
+               recipe: Recipe):
         data, reason = blob
         if data is None:
             return Skipped(path, reason)
         try:
-            pixels = apply_on_pil(to_rgb(open_image(data)), self.recipe, seed)
+            pixels = apply_on_pil(to_rgb(open_image(data)), recipe, seed)
         except BadImage as error:
             return Skipped(path, str(error))
         return pixels, self.labels[index]
