@@ -21,9 +21,16 @@ def bench(*args, timeout=600):
 def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     report = tmp_path / "model.json"
     result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
-                   "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--json", str(report))
+                   "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--sizes", "32,64",
+                   "--json", str(report))
     assert result.returncode == 0, result.stderr
-    rows = json.loads(report.read_text())["results"]
+    data = json.loads(report.read_text())
+    rows = data["results"]
+    sizes = data["sizes"]["results"]
+    assert data["sizes"]["setting"] == "ours without compile"
+    assert [(r["image_size"], r["pixels_vs_largest"]) for r in sizes] == [(32, 4.0), (64, 1.0)]
+    assert sizes[0]["speed_vs_largest"] == sizes[0]["images_per_s"] / sizes[1]["images_per_s"]
+    assert "by image size" in result.stdout
     assert [r["label"] for r in rows] == ["ours without compile", "pytorch/examples: fp32, NCHW"]
     assert all(r["images_per_s"] > 0 for r in rows)
     assert rows[-1]["ratio_to_peer"] == 1.0

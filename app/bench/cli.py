@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--steps", type=int, default=50)
     model.add_argument("--warmup", type=int, default=5)
     model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
+    model.add_argument("--sizes", default="", help="also measure our first setting at these "
+                       "comma-separated image sizes (e.g. 160,192,224: what progressive "
+                       "resizing buys), each against the largest")
     for flag, what in (("--random-erase", "random erasing probability"),
                        ("--mixup-alpha", "mixup alpha"), ("--cutmix-alpha", "cutmix alpha")):
         model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
@@ -131,7 +134,8 @@ def main(argv: list[str]) -> int:
                                 cutmix_alpha=args.cutmix_alpha)
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
                            args.steps, args.warmup, settings,
-                           augment if augment != AugmentConfig() else None)
+                           augment if augment != AugmentConfig() else None,
+                           [int(size) for size in args.sizes.split(",") if size])
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),

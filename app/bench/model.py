@@ -102,8 +102,24 @@ def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, de
     return 1000 * (time.perf_counter() - started) / steps
 
 
+def by_size(arch: str, setting: ModelSetting, batch_size: int, sizes: list[int], device: str,
+            steps: int, warmup: int) -> list[dict]:
+    """One setting at several image sizes, each against the largest: images/s and the
+    pixel count's ratio beside it (the speed-up progressive resizing can buy)."""
+    results = [measure(arch, setting, batch_size, size, device, steps, warmup)
+               for size in sizes]
+    largest = max(results, key=lambda r: r["image_size"])
+    return [{"image_size": r["image_size"], "images_per_s": r["images_per_s"],
+             "step_ms": r["step_ms"], "first_step_s": r["first_step_s"],
+             "peak_memory_gb": r["peak_memory_gb"],
+             "speed_vs_largest": r["images_per_s"] / largest["images_per_s"],
+             "pixels_vs_largest": (largest["image_size"] / r["image_size"]) ** 2}
+            for r in results]
+
+
 def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, warmup: int,
-        settings: list[ModelSetting], augment: AugmentConfig | None = None) -> dict:
+        settings: list[ModelSetting], augment: AugmentConfig | None = None,
+        sizes: list[int] | None = None) -> dict:
     results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
                for s in settings]
     report = {"what": "model only", "results": results, "torch": torch.__version__,
@@ -116,6 +132,10 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         alone = augment_alone_ms(batch_augment, batch_size, image_size, device, steps)
         report["batch_augment"] = {**asdict(augment), "ms_per_step": alone,
                                    "share_of_plain_step": alone / results[0]["step_ms"]}
+    if sizes:
+        report["sizes"] = {"setting": settings[0].label,
+                           "results": by_size(arch, settings[0], batch_size, sizes, device,
+                                              steps, warmup)}
     baseline = results[-1]["images_per_s"]  # the peer's settings come last
     for result in results:
         result["ratio_to_peer"] = result["images_per_s"] / baseline
@@ -137,4 +157,11 @@ def format_report(report: dict) -> str:
                      f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
                      f"{extra['ms_per_step']:.2f} ms per batch, "
                      f"{100 * extra['share_of_plain_step']:.1f}% of the first setting's step")
+    sizes = report.get("sizes")
+    if sizes:
+        lines.append(f"by image size ({sizes['setting']}):")
+        lines.append(f"{'size':>6}{'images/s':>10}{'vs largest':>12}{'pixels ratio':>14}")
+        for r in sizes["results"]:
+            lines.append(f"{r['image_size']:>6}{r['images_per_s']:>10.1f}"
+                         f"{r['speed_vs_largest']:>12.2f}{r['pixels_vs_largest']:>14.2f}")
     return "\n".join(lines)
