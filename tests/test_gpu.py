@@ -124,12 +124,14 @@ class SyncDebugWindow:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_setting, amp", [("off", "bf16"), ("on", "bf16"),
-                                                  ("off", "fp16")])  # fp16: fused step
-def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp):
+@pytest.mark.parametrize("compile_setting, amp, augment", [
+    ("off", "bf16", ()), ("on", "bf16", ()), ("off", "fp16", ()),  # fp16: fused step
+    ("off", "bf16", ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.5",
+                     "--label-smoothing", "0.1"))])  # batch augmentations: host-drawn
+def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp, augment):
     config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", "2", "-p", "1000",
                               "--device", "cuda:0", "--compile", compile_setting, "--amp", amp,
-                              "--output-dir", str(tmp_path), "--run-name", "nosync"])
+                              *augment, "--output-dir", str(tmp_path), "--run-name", "nosync"])
     job = prepare_job(config)
     write_run_folder(job)
     window = SyncDebugWindow(start=2, stop=18)  # 20 steps per epoch
