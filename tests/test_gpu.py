@@ -125,9 +125,11 @@ class SyncDebugWindow:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_setting, amp, augment", [
-    ("off", "bf16", ()), ("on", "bf16", ()), ("off", "fp16", ()),  # fp16: fused step
-    ("off", "bf16", ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.5",
-                     "--label-smoothing", "0.1"))])  # batch augmentations: host-drawn
+    pytest.param("off", "bf16", (), id="off-bf16"), pytest.param("on", "bf16", (), id="on-bf16"),
+    pytest.param("off", "fp16", (), id="off-fp16"),  # fp16: fused step
+    pytest.param("off", "bf16", ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+                                 "--random-erase", "0.5", "--label-smoothing", "0.1"),
+                 id="off-bf16-batch-augment")])  # their random numbers are drawn on the host
 def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp, augment):
     config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", "2", "-p", "1000",
                               "--device", "cuda:0", "--compile", compile_setting, "--amp", amp,

@@ -71,20 +71,26 @@ def run_tests(folder: Path, timeout_s: float, parallel: int, select: str) -> dic
     """pytest -m gpu over tests/ in a child process; every test's outcome from its JUnit XML.
     With pytest-xdist, `parallel` test processes share the GPU (most tests are driver runs that
     leave it idle while they start), which keeps the whole check inside a 10-minute window."""
-    xml = folder / "gpu-tests.xml"
+    xml, log = folder / "gpu-tests.xml", folder / "gpu-tests.log"
+    # -v and a log file: should the whole run time out, the log still says which tests ended
+    # and how; each test's own limit (pytest-timeout) is kept under the whole run's.
     command = [sys.executable, "-m", "pytest", "-m", "gpu or gpu2", "-p", "no:cacheprovider",
-               "-q", f"--junitxml={xml}", str(REPO / "tests")]
+               "-v", f"--junitxml={xml}", str(REPO / "tests")]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command += [f"--timeout={max(30, int(timeout_s / 2))}"]
     if parallel > 1 and importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(parallel)]
     if select:
         command += ["-k", select]
     started = time.perf_counter()
-    try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                timeout=timeout_s)
-        code, tail = result.returncode, (result.stdout + result.stderr)[-4000:]
-    except subprocess.TimeoutExpired as expired:
-        code, tail = None, f"pytest did not finish within {timeout_s:.0f} s: {expired}"
+    with log.open("w") as output:
+        try:
+            code = subprocess.run(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s).returncode
+            verdict = ""
+        except subprocess.TimeoutExpired:
+            code, verdict = None, f"\npytest did not finish within {timeout_s:.0f} s"
+    tail = log.read_text(errors="replace")[-4000:] + verdict
     tests = parse_junit(xml) if xml.exists() else []
     return {"command": " ".join(command), "exit_code": code, "seconds":
             round(time.perf_counter() - started, 1), "tests": tests,

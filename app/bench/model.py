@@ -41,7 +41,10 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
     model = precision.prepare_model(create_model(arch, 1000))
-    forward = torch.compile(model) if setting.compile else model
+    # static shapes, a fresh cache: each size gets its own graph, as in training (app/speed.py),
+    # not the dynamic-shape graph a second size would otherwise turn the cached one into
+    torch._dynamo.reset()
+    forward = torch.compile(model, dynamic=False) if setting.compile else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     memory_format = torch.channels_last if precision.channels_last else torch.contiguous_format
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
