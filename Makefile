@@ -17,7 +17,7 @@ demo: setup
 	$(PY) bin/driver.py --config configs/demo.toml
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu
