@@ -414,3 +414,11 @@ def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path
         assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=0)
     finally:
         trainer.close()
+
+
+def test_resume_with_drop_path_and_bce_continues_exactly(tmp_path):
+    """Drop-path draws from torch's generator, whose state the checkpoint keeps."""
+    a, b = straight_and_resumed(tmp_path, 2, 10, "--drop-path", "0.2", "--bce-loss",
+                                "--mixup-alpha", "0.5", "--label-smoothing", "0.1")
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
