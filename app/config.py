@@ -126,6 +126,24 @@ class ModelConfig:
         "(3x3 stem, no max-pool, for low-resolution images)", "-a")
     norm: str = param("batch", "normalisation layers: batch (BatchNorm) or group (GroupNorm, "
                       "independent of the batch split)", choices=("batch", "group"))
+    # timm's own model options (app/models.py); its ResNets keep their zero-init of each
+    # block's last BatchNorm, which --model-kwargs zero_init_last=False turns off.
+    drop_path: float = param(0.0, "stochastic depth: timm's drop_path_rate, the drop rate of "
+                             "the last block (rising linearly from 0 over the blocks)",
+                             check=between(0, 1))
+    model_kwargs: list[str] = param(
+        [], "comma-separated key=value options for timm.create_model, values read as Python "
+        "literals where they are (0.1, True, None), else strings: aa_layer=blurpool for "
+        "BlurPool after each strided convolution (timm's placement; FFCV blurs before it). "
+        "timm's ResNets start each block's last BatchNorm at zero (zero_init_last=True)",
+        check=(lambda v: all("=" in item for item in v), "must be key=value items"))
+    # The loss sits here, as issue 20 groups it with the model options of timm's recipes.
+    bce_loss: bool = param(False, "timm's BinaryCrossEntropy (its A1-A3 recipes) instead of "
+                           "cross-entropy; --label-smoothing and mixup/cutmix targets as "
+                           "timm's train.py feeds it")
+    bce_target_thresh: float = param(0.0, "with --bce-loss: targets above this become 1, the "
+                                     "rest 0 (timm's bce_target_thresh; 0 = off)",
+                                     check=between(0, 1))
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from app import checkpoint, preflight, run_state
 from app.data.batch_augment import BatchAugment
@@ -28,7 +27,8 @@ from app.evaluate import evaluate
 from app.interrupts import NoRequests, Requests
 from app.job import TrainJob
 from app.loggers import Logger, NullLogger
-from app.models import create_model
+from app.losses import build_criterion
+from app.models import create_model_from_config
 from app.optim import build_optimizer, build_scheduler, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
@@ -118,7 +118,7 @@ class Trainer:
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
         torch.manual_seed(config.train.seed)  # identical initial weights on every replica
         model = self.precision.prepare_model(
-            create_model(config.model.arch, job.tables.num_classes, config.model.norm))
+            create_model_from_config(config.model, job.tables.num_classes))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         steps = self.train_data.steps_per_epoch()
         self.scaler = self.precision.grad_scaler()
@@ -127,7 +127,7 @@ class Trainer:
                                          fused=self.scaler is not None)
         self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=config.optim.label_smoothing)
+        self.criterion = build_criterion(config.model, config.optim.label_smoothing)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
                                                       config.train.seed, env.rank)
         self.position = Position()

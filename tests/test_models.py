@@ -2,9 +2,13 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from timm.layers import BlurPool2d, DropPath
 
+from app.cli import run_cli
 from app.errors import UserError
-from app.models import create_model
+from app.models import create_model, parse_model_kwargs
+from app.run import main
+from conftest import TINY_TRAIN_FLAGS
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
@@ -35,3 +39,83 @@ def test_unknown_model_suggests_close_names():
 def test_small_variant_needs_a_plain_resnet_stem():
     with pytest.raises(UserError, match="only for plain-stem ResNets"):
         create_model("resnet18d_small", num_classes=10)
+
+
+# --- timm's options: --drop-path, --model-kwargs, zero-init -------------------------------
+
+def blocks(model):
+    return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
+            for block in stage]
+
+
+@pytest.mark.parametrize("name, norm", [("resnet18", "batch"), ("resnet18_small", "group")])
+def test_drop_path_rate_reaches_every_block_rising_linearly(name, norm):
+    model = create_model(name, num_classes=10, norm=norm, drop_path=0.1)
+    rates = [block.drop_path.drop_prob if block.drop_path is not None else 0.0
+             for block in blocks(model)]
+    assert rates == pytest.approx([0.1 * i / 7 for i in range(8)])  # timm's linear rule
+    assert all(isinstance(block.drop_path, DropPath) for block in blocks(model)[1:])
+    assert not any(isinstance(m, DropPath) for m in create_model(name, 10, norm).modules())
+
+
+def test_model_kwargs_are_python_literals_else_strings():
+    assert parse_model_kwargs(["aa_layer=blurpool", "drop_rate=0.25", "zero_init_last=False",
+                               "global_pool=None", "output_stride= 16"]) == {
+        "aa_layer": "blurpool", "drop_rate": 0.25, "zero_init_last": False,
+        "global_pool": None, "output_stride": 16}
+    with pytest.raises(UserError, match="expected key=value, got 'blurpool'"):
+        parse_model_kwargs(["blurpool"])
+
+
+def test_aa_layer_blurpool_builds_timms_resnetblur():
+    model = create_model("resnet18", 10, model_kwargs=parse_model_kwargs(["aa_layer=blurpool"]))
+    reference = timm.create_model("resnetblur18", num_classes=10)
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+    # after the stem's max-pool (stride 1 now) and in each strided block
+    assert sum(isinstance(m, BlurPool2d) for m in model.modules()) == 4
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+    by_name = create_model("resnetblur18", 10)  # timm's own blur models, by name
+    assert sum(isinstance(m, BlurPool2d) for m in by_name.modules()) == 4
+
+
+def test_aa_layer_with_the_small_variant_and_group_norm():
+    model = create_model("resnet18_small", 10, "group", drop_path=0.05,
+                         model_kwargs={"aa_layer": "blurpool"})
+    assert isinstance(model.maxpool, nn.Identity)  # the small stem keeps full resolution
+    assert sum(isinstance(m, BlurPool2d) for m in model.modules()) == 3  # layer2..4
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert model.forward_features(torch.randn(2, 3, 32, 32)).shape[-1] == 4
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"no_such_option": 1}, "model 'resnet18' has no option 'no_such_option'"),
+    ({"aa_layer": "gaussian"}, "aa_layer=gaussian: unknown anti-aliasing layer"),
+])
+def test_a_wrong_model_kwarg_is_a_user_error_naming_it(kwargs, fragment):
+    with pytest.raises(UserError, match=fragment):
+        create_model("resnet18", 10, model_kwargs=kwargs)
+
+
+def test_the_driver_says_which_model_kwarg_is_wrong(capsys, tmp_path, tiny_sample, catalog_for):
+    code = run_cli(main, [*TINY_TRAIN_FLAGS, "--catalog", str(catalog_for(tiny_sample)),
+                          "--output-dir", str(tmp_path), "--epochs", "1",
+                          "--model-kwargs", "aa_layer=blurpool,no_such_option=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("error: ") and "'no_such_option'" in err[-1]
+
+
+def last_norms(model):
+    """Each residual block's last normalisation: bn2 of a BasicBlock, bn3 of a Bottleneck."""
+    return [getattr(block, "bn3", block.bn2) for block in blocks(model)]
+
+
+@pytest.mark.parametrize("name, norm", [("resnet18", "batch"), ("resnet50", "batch"),
+                                        ("resnet18_small", "group")])
+def test_each_blocks_last_norm_starts_at_zero(name, norm):
+    """timm's zero_init_last: each residual branch starts at zero, each block as the identity."""
+    model = create_model(name, 10, norm)
+    assert all(torch.count_nonzero(n.weight) == 0 for n in last_norms(model))
+    assert all(torch.count_nonzero(block.bn1.weight) > 0 for block in blocks(model))
+    off = create_model(name, 10, norm, model_kwargs={"zero_init_last": False})
+    assert all(torch.count_nonzero(n.weight) > 0 for n in last_norms(off))

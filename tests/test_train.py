@@ -386,3 +386,39 @@ def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path)
     metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
     assert metrics["epoch"] == 1 and metrics["train/images"] > 0
     assert metrics["val/images"] == 20 and metrics["train/image_size"] == 32
+
+
+def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path):
+    """--bce-loss with mixup and label smoothing: the step's loss is timm's BinaryCrossEntropy
+    on timm's Mixup targets (smoothed rows, mixed), and the step never asks the host."""
+    job = train_in_process(tmp_path, "--epochs", "1", "--run-name", "bce", "--classes", "5",
+                           "--mixup-alpha", "1.0", "--label-smoothing", "0.1", "--bce-loss",
+                           "--drop-path", "0.1", "--model-kwargs", "aa_layer=blurpool")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    try:
+        batches = trainer.train_data.epoch(0)
+        batch = next(batches)
+        inputs, _ = trainer.batch_augment(batch.images.clone(), batch.labels, step=0)
+        lam = trainer.batch_augment.plan(len(batch), 32, 32, step=0).mix.lam
+        assert 0.2 < lam < 0.8  # far from an unmixed batch
+        model = copy.deepcopy(trainer.model)
+        torch.manual_seed(1)  # drop-path draws: the same for the copy and the step
+        logits = model(inputs).double()
+        rows = F.one_hot(batch.labels, 5).double() * (1 - 0.1) + 0.1 / 5
+        target = lam * rows + (1 - lam) * rows.roll(1, 0)
+        expected = timm.loss.BinaryCrossEntropy(target_threshold=None)(logits, target)
+        torch.manual_seed(1)
+        with HostSyncs() as syncs:
+            loss = trainer.train_step(batch)
+        assert syncs.calls == []
+        assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=0)
+    finally:
+        trainer.close()
+
+
+def test_resume_with_drop_path_and_bce_continues_exactly(tmp_path):
+    """Drop-path draws from torch's generator, whose state the checkpoint keeps."""
+    a, b = straight_and_resumed(tmp_path, 2, 10, "--drop-path", "0.2", "--bce-loss",
+                                "--mixup-alpha", "0.5", "--label-smoothing", "0.1")
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key

@@ -1,0 +1,55 @@
+"""The training loss: cross-entropy, or timm's BinaryCrossEntropy (its ResNet Strikes Back
+A1-A3 recipes), each taking class indices or the probability rows mixup/cutmix make.
+
+Label smoothing is applied as each reference applies it. Cross-entropy smooths whatever
+targets it is given (torchvision). timm's train.py smooths BCE's targets in one of two places:
+without mixup, BinaryCrossEntropy(smoothing) smooths the one-hot rows it builds from indices;
+with mixup, timm's Mixup mixes smoothed rows and the loss takes them as they are. Our batch
+augmentation mixes plain one-hot rows, so the mixed rows are smoothed here, before the loss:
+the mix of smoothed rows is the smoothed mix (the map is linear), so the targets are timm's.
+Unlike timm's train.py, --bce-loss without smoothing or mixup is still BCE (timm falls back
+to cross-entropy there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from timm.loss import BinaryCrossEntropy
+
+if TYPE_CHECKING:
+    from app.config import ModelConfig
+
+
+def smooth(rows: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """timm's Mixup targets: on = 1 - s + s/C, off = s/C, mixed linearly."""
+    return rows * (1.0 - smoothing) + smoothing / rows.shape[-1]
+
+
+class SmoothedBinaryCrossEntropy(nn.Module):
+    """timm's BinaryCrossEntropy with smoothing for index targets and for mixed rows alike.
+    Everything stays on the device: shapes are known to the host, values are never read."""
+
+    def __init__(self, smoothing: float = 0.0, target_threshold: float | None = None):
+        super().__init__()
+        self.smoothing = smoothing
+        self.bce = BinaryCrossEntropy(smoothing=smoothing, target_threshold=target_threshold)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Under autocast the logits are bf16/fp16, and timm builds index targets in the logits'
+        # dtype: 1 - 0.1 + 1e-4 would round to 0.8984 in bf16. Cross-entropy runs in float32
+        # under autocast anyway; BCE gets the same.
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if targets.shape == logits.shape and self.smoothing:
+            targets = smooth(targets, self.smoothing)
+        return self.bce(logits, targets)
+
+
+def build_criterion(model: ModelConfig, label_smoothing: float) -> nn.Module:
+    """The loss as configured; both take class indices or probability rows."""
+    if model.bce_loss:
+        return SmoothedBinaryCrossEntropy(label_smoothing, model.bce_target_thresh or None)
+    return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
