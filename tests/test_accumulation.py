@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from app.accumulation import Accumulation
 from app.config_sources import parse_config
 from app.devices import WorkerEnv
+from app.interrupts import Action, NoRequests
 from app.loggers import NullLogger
 from app.parallel import LocalSync
 from app.parallel.allreduce import AllReduceSync, free_port
@@ -20,9 +21,10 @@ from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
 from app.run import prepare_job, write_run_folder
-from app.train import train_worker
+from app.train import Finished, Stopped, train_worker
 from conftest import run_driver
 from test_parallel import CATALOG, EXACT, relative_difference, weights
+from test_train import Recorder as MetricsRecorder, train_in_process
 from test_ps_protocol import Recorder, RecordingServer, RecordingWorker
 
 # Per worker, per optimizer step: the images of each micro-batch. Short and empty ones
@@ -194,3 +196,47 @@ def test_allreduce_exchanges_once_per_optimizer_step():
             ddp.zero_grad(set_to_none=True)
     finally:
         dist.destroy_process_group()
+
+
+class StopAfter(NoRequests):
+    """A save-and-stop request (as after SIGTERM) answered after optimizer step `step`."""
+
+    def __init__(self, step: int):
+        self.step, self.polled = step, []
+
+    def poll(self, rank: int, step: int) -> Action:
+        self.polled.append(step)
+        return Action(save=step == self.step, stop=step == self.step)
+
+
+def test_a_stop_mid_epoch_saves_between_optimizer_steps_and_resumes_exactly(tmp_path):
+    # 320 images: 40 batches of 8 per epoch, 14 optimizer steps of 3 (the last: 1 batch);
+    # mixup/cutmix: each micro-batch draws its own, and the resumed run draws them again.
+    flags = ("-b", "8", "--accum-steps", "3", "--epochs", "2", "-p", "4", "--mixup-alpha",
+             "0.2", "--cutmix-alpha", "1.0")
+    logged = MetricsRecorder()
+    straight = train_in_process(tmp_path, *flags, "--run-name", "straight")
+    assert isinstance(train_worker(straight, WorkerEnv(), LocalSync(), logged), Finished)
+    intervals = [(r["progress/epoch_step"], r["progress/epoch_steps"]) for r in logged.rows
+                 if "train/loss" in r]
+    assert intervals == [(4, 14), (8, 14), (12, 14), (14, 14)] * 2
+
+    stopped = train_in_process(tmp_path, *flags, "--run-name", "stopped")
+    requests = StopAfter(5)
+    outcome = train_worker(stopped, WorkerEnv(), LocalSync(), NullLogger(), requests)
+    assert outcome == Stopped(5)
+    assert requests.polled == list(range(6))  # before the first step, then after each step
+    last = tmp_path / "stopped" / "checkpoints" / "last.pt"
+    saved = weights(tmp_path / "stopped")
+    assert (saved["epoch"], saved["epoch_step"], saved["step"]) == (0, 5, 5)
+    resumed = train_in_process(tmp_path, *flags, "--resume", str(last))
+    assert isinstance(train_worker(resumed, WorkerEnv(), LocalSync(), NullLogger()), Finished)
+
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "stopped")
+    assert (a["step"], a["scheduler"]["last_epoch"]) == (b["step"], b["scheduler"]["last_epoch"]) \
+        == (28, 28)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"],
+                           b["optimizer"]["state"][key]["momentum_buffer"])
