@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, TypeVar
 
+from app.data.pipeline import DeviceBatch, InputPipeline
+
 Batch = TypeVar("Batch")
 
 
@@ -43,3 +45,9 @@ class Accumulation:
             micro = index % self.micro_batches
             index += 1
             yield batch, micro, micro == self.micro_batches - 1 or index == self.batches_per_epoch
+
+    def epoch(self, pipeline: InputPipeline, epoch: int, epoch_step: int
+              ) -> Iterator[tuple[DeviceBatch, int, bool]]:
+        """The pipeline's micro-batches of `epoch` from optimizer step `epoch_step` on."""
+        batches = pipeline.epoch(epoch, start_step=self.first_batch(epoch_step))
+        return self.micro_batches_of(batches, epoch_step)

@@ -43,7 +43,7 @@ log = logging.getLogger("imagenet_dp")
 @dataclass
 class Position:
     epoch: int = 0  # epochs completed
-    epoch_step: int = 0  # steps done in the current epoch (non-zero: a mid-epoch checkpoint)
+    epoch_step: int = 0  # optimizer steps done in the current epoch (non-zero: mid-epoch)
     step: int = 0  # optimizer steps taken
 
 
@@ -221,10 +221,8 @@ class Trainer:
         steps = self.accumulation.steps_per_epoch
         size = self.image_size(epoch)
         started = tick = time.perf_counter()
-        batches = self.train_data.epoch(
-            epoch, start_step=self.accumulation.first_batch(self.position.epoch_step))
-        for batch, micro, last in self.accumulation.micro_batches_of(batches,
-                                                                     self.position.epoch_step):
+        for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
+                                                          self.position.epoch_step):
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
             loss = self.train_step(batch, micro, last)
