@@ -7,6 +7,7 @@ forward and backward, `sync.finish_step()` waits for the averaged gradients); nu
 `precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
 on the device and are fetched every print interval, not every step. Both input pipelines are
 opened before the first step, so what they reserve for the run is taken at its start.
+With --accum-steps K an optimizer step takes K batches (app/accumulation.py); steps count those.
 """
 
 from __future__ import annotations
