@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, TypeVar
 
 from app.data.pipeline import DeviceBatch, InputPipeline
+from app.errors import UserError
 
 Batch = TypeVar("Batch")
 
@@ -31,6 +32,18 @@ class Accumulation:
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch."""
         return math.ceil(self.batches_per_epoch / self.micro_batches)
+
+    def resumed_epoch_step(self, state: dict) -> int:
+        """A checkpoint's position in its epoch, in optimizer steps of this run's K: the same
+        pipeline batch, whatever K the checkpoint was saved with (its config says)."""
+        saved = state.get("config", {}).get("train", {}).get("accum_steps", 1)
+        batches = state["epoch_step"] * saved
+        if batches % self.micro_batches:
+            raise UserError(f"the checkpoint was saved {state['epoch_step']} steps into an epoch "
+                            f"with --accum-steps {saved} ({batches} batches), which steps of "
+                            f"{self.micro_batches} cannot continue; resume with --accum-steps "
+                            f"{saved}, or from a checkpoint taken at an epoch's end")
+        return batches // self.micro_batches
 
     def first_batch(self, epoch_step: int) -> int:
         """The pipeline batch where optimizer step `epoch_step` of an epoch begins."""

@@ -172,7 +172,8 @@ class Trainer:
         restore_scheduler(self.scheduler, state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(state["epoch"], state["epoch_step"], state["step"])
+        self.position = Position(state["epoch"], self.accumulation.resumed_epoch_step(state),
+                                 state["step"])
         self.best_top1 = state["best_top1"]
         if "epoch_sums" in state:
             self.epoch_sums.load(state["epoch_sums"])
