@@ -110,7 +110,8 @@ def small_model() -> torch.nn.Module:
 
 def micro_batch(step: int, rank: int, micro: int, images: int) -> torch.Tensor:
     seed = step * 100 + rank * 10 + micro
-    return torch.randn(images, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(images, 6, dtype=torch.float64, generator=generator)
 
 
 def accumulate(sync, model, rank: int, step: int) -> dict[str, torch.Tensor]:
