@@ -170,6 +170,10 @@ class TrainConfig:
     batch_size: int = param(
         256, "batch size PER DEVICE; the global batch is this times the number of devices",
         "-b", check=at_least(1))
+    accum_steps: int = param(
+        1, "gradient accumulation: micro-batches of --batch-size per optimizer step, gradients "
+        "exchanged once per step; the effective global batch (which scales the LR) is batch "
+        "size x devices x this", check=at_least(1))
     seed: int = param(0, "seed for weights, data order and augmentation")
     print_freq: int = param(10, "log train metrics every N steps", "-p", check=at_least(1))
     device: str = param("auto", "device: auto (cuda if present), cpu, cuda, cuda:N")

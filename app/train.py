@@ -7,6 +7,7 @@ forward and backward, `sync.finish_step()` waits for the averaged gradients); nu
 `precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
 on the device and are fetched every print interval, not every step. Both input pipelines are
 opened before the first step, so what they reserve for the run is taken at its start.
+With --accum-steps K an optimizer step takes K batches (app/accumulation.py); steps count those.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from app import checkpoint, preflight, run_state
+from app.accumulation import Accumulation
 from app.data.batch_augment import BatchAugment
 from app.data.pipeline import DeviceBatch
 from app.data.worker_pipelines import build_pipelines
@@ -42,7 +44,7 @@ log = logging.getLogger("imagenet_dp")
 @dataclass
 class Position:
     epoch: int = 0  # epochs completed
-    epoch_step: int = 0  # steps done in the current epoch (non-zero: a mid-epoch checkpoint)
+    epoch_step: int = 0  # optimizer steps done in the current epoch (non-zero: mid-epoch)
     step: int = 0  # optimizer steps taken
 
 
@@ -120,12 +122,14 @@ class Trainer:
         model = self.precision.prepare_model(
             create_model_from_config(config.model, job.tables.num_classes))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
-        steps = self.train_data.steps_per_epoch()
+        self.accumulation = Accumulation(config.train.accum_steps,
+                                         self.train_data.steps_per_epoch())
         self.scaler = self.precision.grad_scaler()
-        self.optimizer = build_optimizer(model, config.optim,
-                                         config.train.batch_size * env.world_size,
+        global_batch = config.train.batch_size * env.world_size * config.train.accum_steps
+        self.optimizer = build_optimizer(model, config.optim, global_batch,
                                          fused=self.scaler is not None)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, steps, config.train.epochs)
+        self.scheduler = build_scheduler(self.optimizer, config.optim,
+                                         self.accumulation.steps_per_epoch, config.train.epochs)
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
         self.criterion = build_criterion(config.model, config.optim.label_smoothing)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
@@ -168,7 +172,8 @@ class Trainer:
         restore_scheduler(self.scheduler, state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(state["epoch"], state["epoch_step"], state["step"])
+        self.position = Position(state["epoch"], self.accumulation.resumed_epoch_step(state),
+                                 state["step"])
         self.best_top1 = state["best_top1"]
         if "epoch_sums" in state:
             self.epoch_sums.load(state["epoch_sums"])
@@ -207,27 +212,31 @@ class Trainer:
         then ends the run before its first step, not at the first evaluation, after training
         has grown torch's allocator."""
         if self.position.epoch < self.job.config.train.epochs:
-            self.train_data.open(self.position.epoch, self.position.epoch_step)
+            self.train_data.open(self.position.epoch,
+                                 self.accumulation.first_batch(self.position.epoch_step))
             self.val_data.open(0)
 
     def train_epoch(self) -> bool:
         """Train the rest of the current epoch; False when stopped on request."""
         self.model.train()
         epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
-        steps = self.train_data.steps_per_epoch()
+        steps = self.accumulation.steps_per_epoch
         size = self.image_size(epoch)
         started = tick = time.perf_counter()
-        for batch in self.train_data.epoch(epoch, start_step=self.position.epoch_step):
+        for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
+                                                          self.position.epoch_step):
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
-            loss = self.train_step(batch)
-            self.position.step += 1
-            self.position.epoch_step += 1
+            loss = self.train_step(batch, micro, last)
             if (self.compiling and size not in self.compiled_sizes
                     and len(batch) == self.job.config.train.batch_size):
                 self.report_compile_time(step_started, size)
             self.interval.add(loss, len(batch), len(batch.skipped))
             self.skipped.add(epoch + 1, "train", batch.skipped)
+            if not last:  # saves, stops and logs only between optimizer steps
+                continue
+            self.position.step += 1
+            self.position.epoch_step += 1
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
                 now = time.perf_counter()
                 self.log_interval(lr, now - tick, now - started)
@@ -239,19 +248,27 @@ class Trainer:
                 return False
         return True
 
-    def train_step(self, batch: DeviceBatch) -> torch.Tensor | None:
-        """One optimizer step; returns this worker's mean loss (on the device; None without
-        images). The seam: gradients ready -> sync -> optimizer step."""
+    def train_step(self, batch: DeviceBatch, micro: int = 0, last: bool = True
+                   ) -> torch.Tensor | None:
+        """Micro-batch `micro` of an optimizer step, the step itself after its `last`; returns
+        this worker's mean loss (on the device; None without images). The seam: gradients
+        ready -> sync -> optimizer step."""
         images = len(batch)
         loss = None
-        with self.sync.step(images) as loss_scale:
+        with self.sync.step(images, last) as loss_scale:
             if images:  # a worker without usable images still takes part in the sync
-                inputs, targets = self.batch_augment(batch.images, batch.labels,
-                                                     self.position.step)
+                # seeded per micro-batch (the step's number without accumulation)
+                seed_step = self.position.step * self.accumulation.micro_batches + micro
+                inputs, targets = self.batch_augment(batch.images, batch.labels, seed_step)
                 with self.precision.autocast():
                     loss = self.criterion(self.model(inputs), targets)
                 scaled = loss * loss_scale if loss_scale != 1.0 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if last:
+            self.optimizer_step()
+        return loss.detach() if loss is not None else None
+
+    def optimizer_step(self) -> None:
         if self.sync.finish_step():  # every .grad is now the average over all workers' images
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -260,7 +277,6 @@ class Trainer:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss.detach() if loss is not None else None
 
     def image_size(self, epoch: int) -> int:
         return self.job.resolution.train.at(epoch)
@@ -289,7 +305,7 @@ class Trainer:
             "epoch": self.position.epoch + 1, "train/loss": loss, "train/lr": lr,
             "train/images_per_sec": images * self.env.world_size / seconds,
             "progress/epoch_step": self.position.epoch_step,
-            "progress/epoch_steps": self.train_data.steps_per_epoch(),
+            "progress/epoch_steps": self.accumulation.steps_per_epoch,
             "progress/epoch_time_s": epoch_seconds})
 
     def end_epoch(self, started: float) -> dict:

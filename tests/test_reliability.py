@@ -28,7 +28,10 @@ EXACT = ("-a", "test_resnet", "--classes", "5", "--image-size", "32", "-j", "0",
          "--warmup-epochs", "0.5", "--epochs", "2", "-p", "1")
 SPLITS = {"1 worker": ("-b", "8"),
           "2 workers ps": ("-b", "4", "--devices", "cpu,cpu", "--sync", "ps"),
-          "2 workers allreduce": ("-b", "4", "--devices", "cpu,cpu", "--sync", "allreduce")}
+          "2 workers allreduce": ("-b", "4", "--devices", "cpu,cpu", "--sync", "allreduce"),
+          # 2 micro-batches of 2 per optimizer step: a SIGTERM mid-step saves after the step
+          "2 workers allreduce accumulating": ("-b", "2", "--accum-steps", "2", "--devices",
+                                               "cpu,cpu", "--sync", "allreduce")}
 # One machine, two ranks, restarted once: what a user types, with a free port for the store.
 TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d")
@@ -92,7 +95,8 @@ def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
     return process.wait(timeout=60), process.stderr.read()
 
 
-@pytest.mark.parametrize("split", ["1 worker", "2 workers ps"])
+@pytest.mark.parametrize("split", ["1 worker", "2 workers ps",
+                                   "2 workers allreduce accumulating"])
 def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, split):
     flags = (*CATALOG, *EXACT, *SPLITS[split], "--run-name", "cut")
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)

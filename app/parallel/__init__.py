@@ -1,10 +1,14 @@
-"""How replicas agree: the GradientSync interface. The training loop calls it twice per step,
-around backward and before the optimizer step:
+"""How replicas agree: the GradientSync interface. The training loop calls it around each
+backward and once before the optimizer step:
 
     with sync.step(weight) as loss_scale:      # weight = images this worker has in the step
         (loss * loss_scale).backward()          # buckets may leave while backward runs
     total = sync.finish_step()                  # .grad now holds the weighted average
     if total: optimizer.step()                  # total = images over all workers (0: skip)
+
+Gradient accumulation: an optimizer step of several micro-batches calls `step(weight,
+last=False)` for all but its last micro-batch; their gradients add up in .grad, and only the
+last one (`last=True`) exchanges them, once, before finish_step().
 
 Implementations: LocalSync (one worker), ParameterServerSync (app/parallel/ps_worker.py) and
 AllReduceSync (app/parallel/allreduce.py). The loop never needs to know which one it has.
@@ -28,8 +32,9 @@ class GradientSync(Protocol):
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make replicas identical before the first step; returns the module to train."""
 
-    def step(self, weight: int) -> contextlib.AbstractContextManager[float]:
-        """Wraps forward + backward of one step; yields the factor to multiply the loss by."""
+    def step(self, weight: int, last: bool = True) -> contextlib.AbstractContextManager[float]:
+        """Wraps forward + backward of one micro-batch (`last`: the optimizer step's last, which
+        exchanges the gradients); yields the factor to multiply the loss by."""
 
     def finish_step(self) -> int:
         """Wait until every .grad holds the average over workers (weighted by images);
@@ -47,22 +52,60 @@ class GradientSync(Protocol):
     def close(self) -> None: ...
 
 
+class StepImages:
+    """The image counts of one optimizer step's micro-batches (gradient accumulation).
+
+    Each micro-batch's mean loss is scaled by its images relative to `unit`, the images of the
+    step's first micro-batch that had any: .grad then holds (sum over images) / unit, of the
+    size of one micro-batch's mean (fp16 loss scaling stays in range), and a step of a single
+    micro-batch computes exactly what it did without accumulation (factor 1)."""
+
+    def __init__(self):
+        self.total = self.unit = 0
+        self.open = False  # inside a step: more micro-batches may follow
+
+    def add(self, images: int, last: bool) -> bool:
+        """Count a micro-batch; True when it is the step's first."""
+        first = not self.open
+        if first:
+            self.total = self.unit = 0
+        self.total += images
+        self.unit = self.unit or images
+        self.open = not last
+        return first
+
+    def relative(self, images: int) -> float:
+        return images / self.unit if self.unit else 0.0
+
+    def to_mean(self) -> float:
+        """The factor from .grad (sum / unit) to the mean over the step's images."""
+        return self.unit / self.total if self.total else 1.0
+
+
+def scale_grads(params: list[torch.Tensor], factor: float) -> None:
+    if factor != 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+
+
 class LocalSync:
     """A single worker: nothing to agree on."""
 
     def __init__(self):
-        self.weight = 0
+        self.images = StepImages()
+        self.params: list[torch.Tensor] = []
 
     def prepare(self, model: nn.Module) -> nn.Module:
+        self.params = list(model.parameters())
         return model
 
     @contextlib.contextmanager
-    def step(self, weight: int) -> Iterator[float]:
-        self.weight = weight
-        yield 1.0
+    def step(self, weight: int, last: bool = True) -> Iterator[float]:
+        self.images.add(weight, last)
+        yield self.images.relative(weight)
 
     def finish_step(self) -> int:
-        return self.weight
+        scale_grads(self.params, self.images.to_mean())
+        return self.images.total
 
     def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from app.devices import WorkerEnv
-from app.parallel import compare_checksums, float_buffers, weights_checksum
+from app.parallel import (StepImages, compare_checksums, float_buffers, scale_grads,
+                          weights_checksum)
 from app.parallel.rounds import round_store
 
 
@@ -64,7 +65,7 @@ class AllReduceSync:
         self.bucket_mb = bucket_mb
         self.check_every = check_every
         self.host_group = dist.new_group(backend="gloo")
-        self.total = 0
+        self.images = StepImages()  # over all workers
         self.someone_empty = False
         self.step_index = 0
 
@@ -80,32 +81,37 @@ class AllReduceSync:
         return self.ddp
 
     @contextlib.contextmanager
-    def step(self, weight: int) -> Iterator[float]:
-        if self.step_index and self.step_index % self.check_every == 0:
-            self.check_replicas()
-        self.step_index += 1
-        weights = self.gather(weight)
-        self.total = sum(weights)
-        # DDP averages over workers; scaling each loss by n_w x N / total turns that into the
-        # image-weighted average (the factor is exactly 1.0 when all batches are full).
-        scale = weight * self.env.world_size / self.total if self.total else 0.0
-        self.someone_empty = min(weights) == 0
-        if self.someone_empty:  # a worker without images cannot run DDP's backward
+    def step(self, weight: int, last: bool = True) -> Iterator[float]:
+        weights = self.gather(weight)  # a host gather per micro-batch: the counts, not grads
+        if self.images.add(sum(weights), last):
+            if self.step_index and self.step_index % self.check_every == 0:
+                self.check_replicas()
+            self.step_index += 1
+        # DDP averages over workers; scaling each loss by n_w x N / unit (unit: the images of
+        # the step's first micro-batch with any, over all workers) makes .grad the
+        # image-weighted sum / unit; finish_step turns it into the mean. Without accumulation
+        # unit is the step's total, and the factor exactly 1.0 when all batches are full.
+        scale = self.images.relative(weight) * self.env.world_size
+        # a worker without images cannot run DDP's backward; accumulating micro-batches keep
+        # their gradients (DDP's no_sync): either way DDP does not exchange in this backward
+        self.someone_empty = last and min(weights) == 0
+        if self.someone_empty or not last:
             with self.ddp.no_sync():
                 yield scale
         else:
             yield scale
 
     def finish_step(self) -> int:
-        if self.someone_empty and self.total:
-            params = list(self.ddp.module.parameters())
+        params = list(self.ddp.module.parameters())
+        if self.someone_empty and self.images.total:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in params])
             dist.all_reduce(flat)
             flat.div_(self.env.world_size)
             for param, values in zip(params, flat.split([p.numel() for p in params])):
                 param.grad = values.view_as(param).clone()
-        return self.total
+        scale_grads(params, self.images.to_mean())
+        return self.images.total
 
     def sum_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
         result = tensor.clone()

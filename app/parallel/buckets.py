@@ -99,12 +99,14 @@ def memory_order(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 class BucketHooks:
-    """Calls `on_ready(bucket)` as soon as every gradient of a bucket has been accumulated."""
+    """Calls `on_ready(bucket)` as soon as every gradient of a bucket has been accumulated,
+    while armed (disarmed: a backward whose gradients stay to accumulate)."""
 
     def __init__(self, model: nn.Module, layout: BucketLayout, on_ready: Callable[[int], None]):
         self.layout = layout
         self.on_ready = on_ready
         self.pending = [len(b) for b in layout.buckets]
+        self.armed = True
         params = list(model.parameters())
         for bucket, members in enumerate(layout.buckets):  # for the life of the model
             for index in members:
@@ -113,9 +115,10 @@ class BucketHooks:
     def _hook(self, bucket: int):
         def hook(_param: torch.Tensor) -> None:
             self.pending[bucket] -= 1
-            if self.pending[bucket] == 0:
+            if self.pending[bucket] == 0 and self.armed:
                 self.on_ready(bucket)
         return hook
 
-    def reset(self) -> None:
+    def reset(self, armed: bool = True) -> None:
         self.pending = [len(b) for b in self.layout.buckets]
+        self.armed = armed

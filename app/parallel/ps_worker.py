@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from app.devices import WorkerEnv
-from app.parallel import float_buffers, weights_checksum
+from app.parallel import StepImages, float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
 from app.parallel.messages import post
@@ -33,7 +33,7 @@ class ParameterServerSync:
         self.outbox = links.outboxes[env.rank]
         self.step_index = 0  # steps since this process started (keys the messages)
         self.reduce_index = 0
-        self.weight = 0
+        self.images = StepImages()
         self.handed_over: set[int] = set()
         self.signals = signals
 
@@ -62,20 +62,23 @@ class ParameterServerSync:
         return model
 
     @contextlib.contextmanager
-    def step(self, weight: int) -> Iterator[float]:
-        if self.step_index and self.step_index % self.check_every == 0:
-            self.send_checksum()
-        self.weight = weight
-        self.handed_over = set()
-        self.hooks.reset()
-        yield 1.0  # the weighting happens when buckets are packed
+    def step(self, weight: int, last: bool = True) -> Iterator[float]:
+        if self.images.add(weight, last):
+            if self.step_index and self.step_index % self.check_every == 0:
+                self.send_checksum()
+            self.handed_over = set()
+        # Accumulating micro-batches keep their gradients: buckets leave in the last backward.
+        self.hooks.reset(armed=last)
+        # .grad becomes (sum over images) / unit; packing multiplies by unit, the server
+        # divides the sum over workers by their total images.
+        yield self.images.relative(weight) or 1.0
 
     def hand_over(self, bucket: int) -> None:
         """Called from backward (autograd's thread) when a bucket's gradients are complete."""
-        self.layout.pack(bucket, self.params, self.buckets[bucket], float(self.weight))
+        self.layout.pack(bucket, self.params, self.buckets[bucket], float(self.images.unit))
         self.signals.wrote_gradients(bucket)  # before the message that announces it
         self.handed_over.add(bucket)
-        self.send(("grads", self.env.rank, self.step_index, bucket, self.weight))
+        self.send(("grads", self.env.rank, self.step_index, bucket, self.images.total))
 
     def finish_step(self) -> int:
         for bucket in range(len(self.layout)):
