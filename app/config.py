@@ -156,6 +156,9 @@ class OptimConfig:
     weight_decay: float = param(
         1e-4, "weight decay (not applied to normalisation and bias parameters)", "--wd",
         check=at_least(0))
+    clip_grad_norm: float = param(0.0, "clip the global L2 norm of the averaged gradients to "
+                                  "this (0 = off; the norm stays on the device)",
+                                  check=at_least(0))
     label_smoothing: float = param(0.0, "label smoothing of the cross-entropy loss",
                                    check=between(0, 1))
     schedule: str = param("cosine", "LR schedule after warmup", choices=("cosine", "step"))

@@ -46,6 +46,19 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
                            fused=fused_or_default)
 
 
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Scale the (averaged, so identical on every replica) gradients down to a global L2 norm
+    of `max_norm` (0: off). torch's foreach norm and a clamped factor keep it on the device: no
+    host sync. Loss-scaled gradients are unscaled first, as GradScaler's docs prescribe."""
+    if not max_norm:
+        return
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
 class WarmupSchedule:
     """LR factor per optimizer step: linear warmup, then cosine to zero or step decay.
     Built from the config on every start; checkpoints hold only the position in it."""

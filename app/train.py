@@ -31,7 +31,7 @@ from app.job import TrainJob
 from app.loggers import Logger, NullLogger
 from app.losses import build_criterion
 from app.models import create_model_from_config
-from app.optim import build_optimizer, build_scheduler, restore_scheduler
+from app.optim import build_optimizer, build_scheduler, clip_gradients, restore_scheduler
 from app.parallel import GradientSync
 from app.precision import Precision
 from app.skipped import SkippedLog, check_bad_fraction
@@ -270,6 +270,7 @@ class Trainer:
 
     def optimizer_step(self) -> None:
         if self.sync.finish_step():  # every .grad is now the average over all workers' images
+            clip_gradients(self.optimizer, self.job.config.optim.clip_grad_norm, self.scaler)
             if self.scaler:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()

@@ -5,8 +5,8 @@ import torch
 
 from app.config import OptimConfig
 from app.models import create_model
-from app.optim import (WarmupSchedule, build_optimizer, build_scheduler, param_groups,
-                       restore_scheduler, scaled_lr)
+from app.optim import (WarmupSchedule, build_optimizer, build_scheduler, clip_gradients,
+                       param_groups, restore_scheduler, scaled_lr)
 
 
 def test_no_weight_decay_on_norm_and_bias_parameters():
@@ -76,3 +76,20 @@ def test_a_resume_keeps_the_position_and_follows_the_current_schedule():
     longer = build_scheduler(build_optimizer(model, config, 256), config, 10, epochs=2)
     restore_scheduler(longer, short.state_dict())
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clipping_scales_gradients_to_the_global_norm(max_norm):
+    model = create_model("test_resnet", 10)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in before))  # ~ sqrt(#params)
+    optimizer = build_optimizer(model, OptimConfig(), 256)
+    clip_gradients(optimizer, max_norm)
+    factor = min(1.0, max_norm / norm)
+    for p, g in zip(model.parameters(), before):
+        assert torch.allclose(p.grad, g * factor, rtol=1e-5, atol=0)
+    clipped = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
+    assert clipped == pytest.approx(min(norm, max_norm), rel=1e-5)

@@ -256,3 +256,20 @@ def test_torchrun_needs_a_run_name(tmp_path):
     result = run_driver(*CATALOG, cwd=tmp_path, timeout=60,
                         env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert result.returncode == 2 and "under torchrun pass --run-name" in result.stderr
+
+
+def test_two_workers_clip_the_averaged_gradients_as_one_worker(tmp_path):
+    """Clipping acts on the averaged gradients: two workers stay identical to each other
+    (--check-every 1) and to one worker with the same global batch."""
+    flags = (*CATALOG, *EXACT, "--clip-grad-norm", "0.05")
+    one = run_driver(*flags, "-b", "10", "--run-name", "one", cwd=tmp_path)
+    two = run_driver(*flags, "-b", "5", "--devices", "cpu,cpu", "--sync", "ps",
+                     "--run-name", "two", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = weights(tmp_path / "runs" / "one"), weights(tmp_path / "runs" / "two")
+    assert relative_difference(a["model"], b["model"]) < 1e-9
+    unclipped = run_driver(*CATALOG, *EXACT, "-b", "10", "--run-name", "plain", cwd=tmp_path)
+    assert unclipped.returncode == 0, unclipped.stderr
+    plain = weights(tmp_path / "runs" / "plain")
+    assert relative_difference(a["model"], plain["model"]) > 1e-3  # the clip did act

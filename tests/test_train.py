@@ -422,3 +422,24 @@ def test_resume_with_drop_path_and_bce_continues_exactly(tmp_path):
                                 "--mixup-alpha", "0.5", "--label-smoothing", "0.1")
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_gradient_clipping_bounds_the_first_update_without_a_host_sync(tmp_path):
+    """SGD's first step moves each weight by lr x clipped grad (no momentum history, no weight
+    decay): the update's norm is lr x the clip."""
+    job = train_in_process(tmp_path, "--epochs", "1", "--classes", "5", "--wd", "0",
+                           "--warmup-epochs", "0", "--clip-grad-norm", "1e-3",
+                           "--run-name", "clip")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    try:
+        params = list(trainer.model.parameters())
+        before = [p.detach().clone() for p in params]
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        batch = next(trainer.train_data.epoch(0))
+        with HostSyncs() as syncs:
+            trainer.train_step(batch)
+        assert syncs.calls == []
+        moved = sum(float(((p - b).double() ** 2).sum()) for p, b in zip(params, before))
+        assert moved ** 0.5 == pytest.approx(lr * 1e-3, rel=1e-3)
+    finally:
+        trainer.close()
