@@ -161,8 +161,23 @@ class OptimConfig:
                                   check=at_least(0))
     label_smoothing: float = param(0.0, "label smoothing of the cross-entropy loss",
                                    check=between(0, 1))
-    schedule: str = param("cosine", "LR schedule after warmup", choices=("cosine", "step"))
-    warmup_epochs: float = param(5.0, "linear warmup length in epochs", check=at_least(0))
+    schedule: str = param(
+        "cosine", "LR schedule after warmup: cosine (to --lr-min), step, or ffcv = FFCV's "
+        "'cyclic' schedule (linear from 1e-4 x LR to the LR at --lr-peak-epoch, then linear to "
+        "zero at the last epoch, per step; its ramp replaces the warmup)",
+        choices=("cosine", "step", "ffcv"))
+    warmup_epochs: float = param(5.0, "warmup length in epochs", "--lr-warmup-epochs",
+                                 check=at_least(0))
+    lr_warmup_method: str = param("linear", "warmup: linear (from --lr-warmup-decay x LR up to "
+                                  "the LR) or constant (--lr-warmup-decay x LR)",
+                                  choices=("linear", "constant"))
+    lr_warmup_decay: float = param(0.0, "the warmup's starting factor (torchvision: 0.01; 0 = "
+                                   "linear from the first step's share, as before)",
+                                   check=between(0, 1))
+    lr_min: float = param(0.0, "cosine schedule: the LR it ends at (torchvision's --lr-min)",
+                          check=at_least(0))
+    lr_peak_epoch: float = param(2.0, "ffcv schedule: the epoch the LR peaks at (FFCV: 2)",
+                                 check=at_least(0))
     step_epochs: int = param(30, "step schedule: decay every N epochs", check=at_least(1))
     step_gamma: float = param(0.1, "step schedule: decay factor")
 
@@ -286,6 +301,9 @@ def validate(config: Config) -> None:
                 raise UserError(f"{section.name}.{f.name} {check[1]}, got "
                                 f"{getattr(values, f.name)!r}")
     validate_progressive(config.data)
+    if config.optim.lr_warmup_method == "constant" and not config.optim.lr_warmup_decay:
+        raise UserError("--lr-warmup-method constant needs --lr-warmup-decay > 0 (the warmup's "
+                        "LR factor; torchvision uses 0.01)")
     if config.parallel.gpus and config.parallel.devices:
         raise UserError("give either --gpus or --devices, not both")
     kinds = {device.split(":")[0] for device in config.parallel.devices}

@@ -60,30 +60,54 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
 
 
 class WarmupSchedule:
-    """LR factor per optimizer step: linear warmup, then cosine to zero or step decay.
+    """LR factor per optimizer step: a warmup (torchvision's linear or constant, from
+    --lr-warmup-decay), then cosine down to `floor` (--lr-min as a share of the LR) or step
+    decay; or FFCV's schedule, whose ramp to its peak epoch is its warmup.
     Built from the config on every start; checkpoints hold only the position in it."""
 
-    def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int):
+    def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int,
+                 floor: float = 0.0):
         self.kind = config.schedule
         self.steps_per_epoch = steps_per_epoch
+        self.epochs = epochs
         self.warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+        self.warmup_method, self.warmup_decay = config.lr_warmup_method, config.lr_warmup_decay
         self.total_steps = max(1, epochs * steps_per_epoch)
         self.step_epochs = config.step_epochs
         self.step_gamma = config.step_gamma
+        self.floor = floor
+        self.peak_epoch = config.lr_peak_epoch
 
     def __call__(self, step: int) -> float:
+        if self.kind == "ffcv":
+            return self.ffcv(step / self.steps_per_epoch)
         if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
+            if self.warmup_method == "constant":
+                return self.warmup_decay
+            if not self.warmup_decay:  # as before: the first step already takes 1/W of the LR
+                return (step + 1) / self.warmup_steps
+            # torchvision's LinearLR(start_factor=decay), per step
+            return self.warmup_decay + (1 - self.warmup_decay) * step / self.warmup_steps
         if self.kind == "step":
             return self.step_gamma ** (step // self.steps_per_epoch // self.step_epochs)
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.floor + (1 - self.floor) * cosine
+
+    def ffcv(self, epoch: float) -> float:
+        """FFCV's get_cyclic_lr (1e-4 -> 1 at the peak epoch -> 0 at the end) at a fractional
+        epoch: FFCV interpolates linearly between epochs, step by step, which is the same line."""
+        if epoch <= self.peak_epoch:
+            return 1e-4 + (1 - 1e-4) * epoch / max(self.peak_epoch, 1e-12)
+        return max(0.0, (self.epochs - epoch) / max(self.epochs - self.peak_epoch, 1e-12))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps_per_epoch: int,
                     epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
+    # --lr-min is an LR (torchvision's eta_min); the schedule works in shares of the run's LR
+    floor = min(1.0, config.lr_min / optimizer.defaults["lr"])
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupSchedule(config, steps_per_epoch, epochs))
+        optimizer, WarmupSchedule(config, steps_per_epoch, epochs, floor))
 
 
 def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:

@@ -1,9 +1,12 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from app.config import OptimConfig
+from app.config_sources import parse_config
+from app.errors import UserError
 from app.models import create_model
 from app.optim import (WarmupSchedule, build_optimizer, build_scheduler, clip_gradients,
                        param_groups, restore_scheduler, scaled_lr)
@@ -93,3 +96,53 @@ def test_clipping_scales_gradients_to_the_global_norm(max_norm):
         assert torch.allclose(p.grad, g * factor, rtol=1e-5, atol=0)
     clipped = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
     assert clipped == pytest.approx(min(norm, max_norm), rel=1e-5)
+
+
+def lrs(scheduler, steps):
+    seen = []
+    for _ in range(steps):
+        seen.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return seen
+
+
+@pytest.mark.parametrize("method", ["linear", "constant"])
+def test_torchvisions_warmup_and_cosine_floor(method):
+    """torchvision's references: LinearLR/ConstantLR for the warmup epochs, then
+    CosineAnnealingLR to eta_min, one scheduler step per epoch (here one step per epoch)."""
+    model = create_model("test_resnet", 10)
+    config = OptimConfig(lr=0.5, warmup_epochs=3, lr_warmup_method=method,
+                         lr_warmup_decay=0.01, lr_min=0.001)
+    ours = build_scheduler(build_optimizer(model, config, 256), config, 1, epochs=12)
+    reference_optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    first = (torch.optim.lr_scheduler.LinearLR(reference_optimizer, start_factor=0.01,
+                                               total_iters=3) if method == "linear" else
+             torch.optim.lr_scheduler.ConstantLR(reference_optimizer, factor=0.01,
+                                                 total_iters=3))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(reference_optimizer, T_max=9,
+                                                        eta_min=0.001)
+    reference = torch.optim.lr_scheduler.SequentialLR(reference_optimizer, [first, cosine],
+                                                      milestones=[3])
+    assert lrs(ours, 12) == pytest.approx(lrs(reference, 12), rel=1e-9, abs=1e-12)
+
+
+def test_ffcvs_schedule_step_by_step():
+    """FFCV's train_imagenet.py: get_cyclic_lr per epoch (np.interp over [0, peak, epochs]),
+    then within each epoch np.interp between this epoch's and the next one's LR."""
+    model = create_model("test_resnet", 10)
+    config = OptimConfig(lr=1.7 * 256 / 4096, schedule="ffcv", lr_peak_epoch=2)
+    epochs, iters = 6, 7
+    ours = build_scheduler(build_optimizer(model, config, 4096), config, iters, epochs=epochs)
+    lr = 1.7
+
+    def cyclic(epoch):
+        return np.interp([epoch], [0, 2, epochs], [1e-4 * lr, lr, 0])[0]
+    expected = [value for epoch in range(epochs) for value in
+                np.interp(np.arange(iters), [0, iters], [cyclic(epoch), cyclic(epoch + 1)])]
+    assert lrs(ours, epochs * iters) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_a_constant_warmup_without_a_factor_is_refused():
+    with pytest.raises(UserError, match="needs --lr-warmup-decay"):
+        parse_config(["--lr-warmup-method", "constant"])
