@@ -148,7 +148,11 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    optimizer: str = param("sgd", "optimizer", choices=("sgd", "adamw"))
+    optimizer: str = param(
+        "sgd", "optimizer: sgd, adamw, lars (timm's; for large global batches, e.g. MLPerf's "
+        "ResNet-50: LARS, 5 warmup epochs, label smoothing 0.1, eps 0, trust coefficient "
+        "0.001), lamb (timm's, with its gradient-norm clip at 1.0; --momentum is beta1)",
+        choices=("sgd", "adamw", "lars", "lamb"))
     lr: float = param(0.1, "learning rate per 256 images; scaled by the global batch size",
                       check=positive())
     momentum: float = param(0.9, "SGD momentum (AdamW: beta1)", check=between(0, 1))
@@ -156,6 +160,11 @@ class OptimConfig:
     weight_decay: float = param(
         1e-4, "weight decay (not applied to normalisation and bias parameters)", "--wd",
         check=at_least(0))
+    norm_weight_decay: float = param(0.0, "weight decay of normalisation layers' parameters "
+                                     "(torchvision's flag; here 0 by default: no decay, and "
+                                     "no LARS/LAMB adaptation)", check=at_least(0))
+    bias_weight_decay: float = param(0.0, "weight decay of the other layers' biases (0 by "
+                                     "default, as for norms)", check=at_least(0))
     clip_grad_norm: float = param(0.0, "clip the global L2 norm of the averaged gradients to "
                                   "this (0 = off; the norm stays on the device)",
                                   check=at_least(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import timm.optim
 import torch
 import torch.nn as nn
 
@@ -14,16 +15,28 @@ from app.config import OptimConfig
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float = 0.0,
+                 bias_weight_decay: float = 0.0) -> list[dict]:
+    """Weights get `weight_decay`, normalisation layers' parameters `norm_weight_decay` and
+    other biases `bias_weight_decay` (torchvision's split; both default to no decay). LARS and
+    LAMB adapt only groups with decay (timm's rule), so norms and biases are excluded from both
+    unless asked for. Norms and biases share one group when their decay is the same: the
+    two-group layout of earlier checkpoints, which an optimizer's state is loaded into."""
+    groups: dict[str, list] = {"decay": [], "norm": [], "bias": []}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
-            skip = isinstance(module, NORM_TYPES) or name == "bias"
-            (no_decay if skip else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+            if isinstance(module, NORM_TYPES):
+                kind = "norm"
+            else:
+                kind = "bias" if name == "bias" else "decay"
+            if kind == "bias" and norm_weight_decay == bias_weight_decay:
+                kind = "norm"  # one shared group, in the order the model holds them
+            groups[kind].append(param)
+    decays = {"decay": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
+    return [{"params": params, "weight_decay": decays[kind]} for kind, params in groups.items()
+            if params or kind != "bias"]
 
 
 def scaled_lr(config: OptimConfig, global_batch: int) -> float:
@@ -36,12 +49,18 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
     """`fused`: one kernel per step that also takes fp16 loss scaling's inf check as a tensor,
     so GradScaler.step skips a step on the device instead of asking the host (a sync per
     step with the default implementation)."""
-    groups = param_groups(model, config.weight_decay)
+    groups = param_groups(model, config.weight_decay, config.norm_weight_decay,
+                          config.bias_weight_decay)
     lr = scaled_lr(config, global_batch)
     fused_or_default = True if fused else None
     if config.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999),
                                  fused=fused_or_default)
+    if config.optimizer == "lars":  # timm's; the MLPerf reference's trust coefficient and eps
+        return timm.optim.Lars(groups, lr=lr, momentum=config.momentum,
+                               nesterov=config.nesterov, trust_coeff=0.001, eps=0.0)
+    if config.optimizer == "lamb":  # timm's, with its global gradient-norm clip at 1.0
+        return timm.optim.Lamb(groups, lr=lr, betas=(config.momentum, 0.999))
     return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
                            fused=fused_or_default)
 

@@ -146,3 +146,43 @@ def test_ffcvs_schedule_step_by_step():
 def test_a_constant_warmup_without_a_factor_is_refused():
     with pytest.raises(UserError, match="needs --lr-warmup-decay"):
         parse_config(["--lr-warmup-method", "constant"])
+
+
+def test_norm_and_bias_weight_decay_flags_make_their_own_groups():
+    model = create_model("resnet18", num_classes=10)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, norm, bias = param_groups(model, 1e-4, norm_weight_decay=0.0, bias_weight_decay=2e-5)
+    assert {names[id(p)] for p in bias["params"]} == {"fc.bias"}
+    assert "bn1.bias" in {names[id(p)] for p in norm["params"]}
+    assert [g["weight_decay"] for g in (decay, norm, bias)] == [1e-4, 0.0, 2e-5]
+    # the same decay for both: one group, as in earlier checkpoints
+    assert len(param_groups(model, 1e-4, 1e-5, 1e-5)) == 2
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_lars_and_lamb_adapt_only_the_decayed_weights(name):
+    """One step from the same gradients: norm and bias parameters move exactly as the plain
+    rule moves them (SGD with momentum for LARS, Adam for LAMB: no trust ratio), weights do
+    not (their step is scaled by ||w|| / ||update||)."""
+    torch.manual_seed(0)
+    model = create_model("test_resnet", 10).double()  # float64: exact small differences
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-4  # global norm < 1: LAMB's clip leaves it alone
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = OptimConfig(optimizer=name, lr=0.1, weight_decay=1e-4)
+    optimizer = build_optimizer(model, config, 256)
+    assert type(optimizer).__name__ == name.capitalize()
+    optimizer.step()
+    lr = scaled_lr(config, 256)
+    decay, no_decay = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in no_decay["params"]:
+        g = p.grad
+        plain = g if name == "lars" else g / (g.abs() + 1e-6)  # Adam's first step
+        assert torch.allclose(start[names[id(p)]] - p.detach(), lr * plain, rtol=1e-4,
+                              atol=1e-12), names[id(p)]
+    adapted = [p for p in decay["params"] if not torch.allclose(
+        start[names[id(p)]] - p.detach(), lr * (p.grad if name == "lars" else
+                                                p.grad / (p.grad.abs() + 1e-6)),
+        rtol=1e-2, atol=0)]
+    assert len(adapted) == len(decay["params"])
