@@ -22,7 +22,7 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     report = tmp_path / "model.json"
     result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
                    "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--sizes", "32,64",
-                   "--json", str(report))
+                   "--optimizers", "sgd,lars", "--clip-grad-norm", "1", "--json", str(report))
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
     rows = data["results"]
@@ -31,6 +31,11 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     assert [(r["image_size"], r["pixels_vs_largest"]) for r in sizes] == [(32, 4.0), (64, 1.0)]
     assert sizes[0]["speed_vs_largest"] == sizes[0]["images_per_s"] / sizes[1]["images_per_s"]
     assert "by image size" in result.stdout
+    optimizers = data["optimizers"]
+    assert [r["label"] for r in optimizers] == [
+        "ours without compile + sgd", "ours without compile + lars",
+        "ours without compile + sgd, clip 1", "ours without compile + lars, clip 1"]
+    assert all(r["step_vs_plain"] == r["step_ms"] / rows[0]["step_ms"] for r in optimizers)
     assert [r["label"] for r in rows] == ["ours without compile", "pytorch/examples: fp32, NCHW"]
     assert all(r["images_per_s"] > 0 for r in rows)
     assert rows[-1]["ratio_to_peer"] == 1.0

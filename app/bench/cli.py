@@ -4,10 +4,11 @@ run (and writing a JSON report with --json / --out)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
-from app.config import AugmentConfig
+from app.config import AugmentConfig, OptimConfig
 
 EXAMPLES = """examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--steps", type=int, default=50)
     model.add_argument("--warmup", type=int, default=5)
     model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
+    model.add_argument("--optimizers", default="", help="also measure our first setting's "
+                       "step with these comma-separated optimizers (sgd, lars, lamb: built as "
+                       "training builds them), e.g. sgd,lars,lamb")
+    model.add_argument("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: "
+                       "also clip the gradients to this norm (another row each)")
     model.add_argument("--sizes", default="", help="also measure our first setting at these "
                        "comma-separated image sizes (e.g. 160,192,224: what progressive "
                        "resizing buys), each against the largest")
@@ -117,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
+    """One row per optimizer, and one more per optimizer with clipping when asked for."""
+    optimizers = [OptimConfig(optimizer=name) for name in names.split(",") if name]
+    return optimizers + [dataclasses.replace(o, clip_grad_norm=clip)
+                         for o in optimizers if clip]
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     code = 0
@@ -135,7 +148,8 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
                            args.steps, args.warmup, settings,
                            augment if augment != AugmentConfig() else None,
-                           [int(size) for size in args.sizes.split(",") if size])
+                           [int(size) for size in args.sizes.split(",") if size],
+                           recipe_optimizers(args.optimizers, args.clip_grad_norm))
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),

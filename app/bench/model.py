@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from app.config import AugmentConfig
+from app.config import AugmentConfig, OptimConfig
 from app.data.batch_augment import BatchAugment
 from app.models import create_model
+from app.optim import build_optimizer, clip_gradients
 from app.precision import Precision
 from app.speed import configure_backends
 
@@ -34,7 +35,8 @@ PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 
 
 def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, device: str,
-            steps: int, warmup: int, augment: BatchAugment | None = None) -> dict:
+            steps: int, warmup: int, augment: BatchAugment | None = None,
+            optim: OptimConfig | None = None) -> dict:
     """Images/s over `steps` timed steps after `warmup` (the first includes compilation);
     with `augment`, each step augments the batch first, as the Trainer does."""
     precision = Precision.from_config(setting.amp, setting.channels_last, device)
@@ -45,7 +47,9 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     # not the dynamic-shape graph a second size would otherwise turn the cached one into
     torch._dynamo.reset()
     forward = torch.compile(model, dynamic=False) if setting.compile else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
+    optimizer = build_optimizer(model, optim, batch_size) if optim else \
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     memory_format = torch.channels_last if precision.channels_last else torch.contiguous_format
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
                          ).contiguous(memory_format=memory_format)
@@ -61,6 +65,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
         with precision.autocast():
             loss = torch.nn.functional.cross_entropy(forward(inputs), targets)
         loss.backward()
+        if optim:
+            clip_gradients(optimizer, optim.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -80,7 +86,9 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
         step()
     wait()
     seconds = time.perf_counter() - started
-    label = setting.label + (" + batch augment" if augment else "")
+    label = setting.label + (" + batch augment" if augment else "") + (
+        f" + {optim.optimizer}" + (f", clip {optim.clip_grad_norm:g}" if optim.clip_grad_norm
+                                   else "") if optim else "")
     return {**asdict(setting), "label": label, "arch": arch, "batch_size": batch_size,
             "image_size": image_size, "device": str(precision.device),
             "images_per_s": batch_size * steps / seconds, "step_ms": 1000 * seconds / steps,
@@ -122,7 +130,7 @@ def by_size(arch: str, setting: ModelSetting, batch_size: int, sizes: list[int],
 
 def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, warmup: int,
         settings: list[ModelSetting], augment: AugmentConfig | None = None,
-        sizes: list[int] | None = None) -> dict:
+        sizes: list[int] | None = None, optimizers: list[OptimConfig] | None = None) -> dict:
     results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
                for s in settings]
     report = {"what": "model only", "results": results, "torch": torch.__version__,
@@ -135,6 +143,11 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         alone = augment_alone_ms(batch_augment, batch_size, image_size, device, steps)
         report["batch_augment"] = {**asdict(augment), "ms_per_step": alone,
                                    "share_of_plain_step": alone / results[0]["step_ms"]}
+    if optimizers:  # the step with each recipe's optimizer (and clipping) beside plain SGD
+        rows = [measure(arch, settings[0], batch_size, image_size, device, steps, warmup,
+                        optim=optim) for optim in optimizers]
+        report["optimizers"] = [{**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
+                                for row in rows]
     if sizes:
         report["sizes"] = {"setting": settings[0].label,
                            "results": by_size(arch, settings[0], batch_size, sizes, device,
@@ -160,6 +173,9 @@ def format_report(report: dict) -> str:
                      f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
                      f"{extra['ms_per_step']:.2f} ms per batch, "
                      f"{100 * extra['share_of_plain_step']:.1f}% of the first setting's step")
+    for row in report.get("optimizers", []):
+        lines.append(f"{row['label']:<40}{row['images_per_s']:>10.1f}  step "
+                     f"{row['step_ms']:.1f} ms = {row['step_vs_plain']:.3f}x the first setting's")
     sizes = report.get("sizes")
     if sizes:
         lines.append(f"by image size ({sizes['setting']}):")
