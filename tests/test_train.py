@@ -380,8 +380,11 @@ def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
 def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path):
     """Each config's own recipe (augmentations, sampler, schedule) for an epoch of 2 classes,
     with the model, sizes and batch made small: no config rots."""
+    progressive = "progressive_start_size" in tomllib.loads(path.read_text()).get("data", {})
+    size = (("--progressive-start-size", "32", "--progressive-end-size", "32") if progressive
+            else ("--train-crop-size", "32"))
     job = train_in_process(tmp_path, "--config", str(path), "--classes", "2", "--epochs", "1",
-                           "--train-crop-size", "32", "--val-resize-size", "36", "-b", "8",
+                           *size, "--val-crop-size", "32", "--val-resize-size", "36", "-b", "8",
                            "--run-name", path.stem)
     metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
     assert metrics["epoch"] == 1 and metrics["train/images"] > 0
