@@ -293,9 +293,10 @@ class Trainer:
         graphs = compiled_graphs()
         log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
                  "so far: %d", size, seconds, graphs)
-        self.logger.log_metrics(self.position.step, {"compile/first_step_s": seconds,
-                                                     "compile/graphs": graphs,
-                                                     "train/image_size": size})
+        # recorded at the optimizer step this batch belongs to (counted after its last batch)
+        self.logger.log_metrics(self.position.step + 1, {"compile/first_step_s": seconds,
+                                                         "compile/graphs": graphs,
+                                                         "train/image_size": size})
 
     def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""
