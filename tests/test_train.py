@@ -328,19 +328,24 @@ def test_fp16_loss_scaling_skips_overflowing_steps_without_asking_the_host(tmp_p
     assert syncs.calls
 
 
+def first_mixed_step(trainer):
+    """The first batch, the inputs step 0 trains on (pixels: tests/test_batch_augment.py), its
+    mixing lambda by the plan, and a copy of the model to compute the expected loss with."""
+    batches = trainer.train_data.epoch(0)
+    batch = next(batches)
+    inputs, _ = trainer.batch_augment(batch.images.clone(), batch.labels, step=0)
+    lam = trainer.batch_augment.plan(len(batch), 32, 32, step=0).mix.lam
+    assert 0.2 < lam < 0.8  # far from an unmixed batch
+    return batches, batch, inputs, lam, copy.deepcopy(trainer.model)
+
+
 def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs(tmp_path):
     job = train_in_process(tmp_path, "--epochs", "1", "--run-name", "mix", "--classes", "5",
                            "--random-erase", "0.5", "--mixup-alpha", "1.0", "--cutmix-alpha",
                            "1.0", "--label-smoothing", "0.1")
     trainer = Trainer(job, WorkerEnv(), LocalSync())
     try:
-        batches = trainer.train_data.epoch(0)
-        batch = next(batches)
-        # The step's inputs (pixels: tests/test_batch_augment.py) and lambda, by its plan.
-        inputs, _ = trainer.batch_augment(batch.images.clone(), batch.labels, step=0)
-        lam = trainer.batch_augment.plan(len(batch), 32, 32, step=0).mix.lam
-        assert 0.2 < lam < 0.8  # far from an unmixed batch
-        model = copy.deepcopy(trainer.model)
+        batches, batch, inputs, lam, model = first_mixed_step(trainer)
         # torchvision: MixUp/CutMix mix one-hot rows; CrossEntropyLoss(label_smoothing) then
         # smooths the probability targets it is given.
         one_hot = F.one_hot(batch.labels, 5).double()
@@ -399,12 +404,7 @@ def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path
                            "--drop-path", "0.1", "--model-kwargs", "aa_layer=blurpool")
     trainer = Trainer(job, WorkerEnv(), LocalSync())
     try:
-        batches = trainer.train_data.epoch(0)
-        batch = next(batches)
-        inputs, _ = trainer.batch_augment(batch.images.clone(), batch.labels, step=0)
-        lam = trainer.batch_augment.plan(len(batch), 32, 32, step=0).mix.lam
-        assert 0.2 < lam < 0.8  # far from an unmixed batch
-        model = copy.deepcopy(trainer.model)
+        batches, batch, inputs, lam, model = first_mixed_step(trainer)
         torch.manual_seed(1)  # drop-path draws: the same for the copy and the step
         logits = model(inputs).double()
         rows = F.one_hot(batch.labels, 5).double() * (1 - 0.1) + 0.1 / 5
