@@ -93,11 +93,11 @@ def test_syncgrads_averages_weighted_by_images_and_answers_everyone():
 def test_syncgrads_stops_the_run_when_replicas_diverge():
     links = links_for(2)
     model = torch.nn.Linear(3, 2)
-    same = weights_checksum(model)
+    same = weights_checksum(list(model.parameters()))
     with torch.no_grad():
         model.bias[1] += 1e-6  # a change float32 can represent
     links.inbox.put(("checksum", 0, 200, same))
-    links.inbox.put(("checksum", 1, 200, weights_checksum(model)))
+    links.inbox.put(("checksum", 1, 200, weights_checksum(list(model.parameters()))))
     with pytest.raises(SyncFailure, match=r"replicas diverged at step 200: worker 1 differs "
                                           r"from worker 0 in 1 of 2 parameter tensors "
                                           r"\(first: bias\)"):
@@ -107,7 +107,7 @@ def test_syncgrads_stops_the_run_when_replicas_diverge():
 
 def test_identical_checksums_pass():
     model = torch.nn.Linear(3, 2)
-    compare_checksums(1, [weights_checksum(model)] * 3, ["weight", "bias"])
+    compare_checksums(1, [weights_checksum(list(model.parameters()))] * 3, ["weight", "bias"])
 
 
 def test_a_wait_notices_a_dead_peer_quickly():
