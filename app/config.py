@@ -171,10 +171,11 @@ class OptimConfig:
     label_smoothing: float = param(0.0, "label smoothing of the cross-entropy loss",
                                    check=between(0, 1))
     schedule: str = param(
-        "cosine", "LR schedule after warmup: cosine (to --lr-min), step, or ffcv = FFCV's "
+        "cosine", "LR schedule after warmup: cosine (to --lr-min), step, poly (polynomial "
+        "decay of power --lr-poly-power to --lr-min: MLPerf's LARS schedule), or ffcv = FFCV's "
         "'cyclic' schedule (linear from 1e-4 x LR to the LR at --lr-peak-epoch, then linear to "
         "zero at the last epoch, per step; its ramp replaces the warmup)",
-        choices=("cosine", "step", "ffcv"))
+        choices=("cosine", "step", "poly", "ffcv"))
     warmup_epochs: float = param(5.0, "warmup length in epochs", "--lr-warmup-epochs",
                                  check=at_least(0))
     lr_warmup_method: str = param("linear", "warmup: linear (from --lr-warmup-decay x LR up to "
@@ -183,8 +184,11 @@ class OptimConfig:
     lr_warmup_decay: float = param(0.0, "the warmup's starting factor (torchvision: 0.01; 0 = "
                                    "linear from the first step's share, as before)",
                                    check=between(0, 1))
-    lr_min: float = param(0.0, "cosine schedule: the LR it ends at (torchvision's --lr-min)",
+    lr_min: float = param(0.0, "cosine and poly schedules: the LR they end at (torchvision's "
+                          "--lr-min; MLPerf's end learning rate)",
                           check=at_least(0))
+    lr_poly_power: float = param(2.0, "poly schedule: the power of the decay (MLPerf: 2)",
+                                 check=positive())
     lr_peak_epoch: float = param(2.0, "ffcv schedule: the epoch the LR peaks at (FFCV: 2)",
                                  check=at_least(0))
     step_epochs: int = param(30, "step schedule: decay every N epochs", check=at_least(1))

@@ -321,7 +321,8 @@ def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
 def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path):
     """Each config's own recipe (augmentations, sampler, schedule) for an epoch of 2 classes,
     with the model, sizes and batch made small: no config rots."""
-    progressive = "progressive_start_size" in tomllib.loads(path.read_text()).get("data", {})
+    recipe = tomllib.loads(path.read_text())
+    progressive = "progressive_start_size" in recipe.get("data", {})
     size = (("--progressive-start-size", "32", "--progressive-end-size", "32") if progressive
             else ("--train-crop-size", "32"))
     job = train_in_process(tmp_path, "--config", str(path), "--classes", "2", "--epochs", "1",
@@ -330,6 +331,7 @@ def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path)
     metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
     assert metrics["epoch"] == 1 and metrics["train/images"] > 0
     assert metrics["val/images"] == 20 and metrics["train/image_size"] == 32
+    assert ("val_ema/top1" in metrics) == recipe.get("train", {}).get("model_ema", False)
 
 
 def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path):
