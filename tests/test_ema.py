@@ -10,7 +10,9 @@ import torch.nn as nn
 
 from app import checkpoint
 from app.devices import WorkerEnv
+from app.config_sources import parse_config
 from app.ema import ModelEma, adjusted_decay
+from app.errors import UserError
 from app.loggers import NullLogger
 from app.parallel import LocalSync, checked_parameters, compare_checksums, weights_checksum
 from app.parallel.watch import SyncFailure
@@ -167,3 +169,9 @@ def test_use_ema_on_a_checkpoint_without_an_average_is_a_one_line_error(tmp_path
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {last} has no EMA weights (it was trained without --model-ema); evaluate it "
         "without --use-ema")
+
+
+def test_use_ema_without_evaluate_is_refused():
+    with pytest.raises(UserError, match="--use-ema selects the weights -e evaluates"):
+        parse_config(["--use-ema"])
+    assert parse_config(["-e", "--use-ema"])[0].run.use_ema
