@@ -2,12 +2,29 @@
 processes started with the environment srun gives its tasks) training on loopback, stopped by
 SIGUSR1 and continued with --resume auto."""
 
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
 from app import slurm
 from app.devices import LaunchEnv
 from app.errors import UserError
+from app.interrupts import PREEMPTED_EXIT_CODE
+from app.data.augment import TrainRecipe
+from app.data.pillow_pipeline import build_loader
+from app.data.sampler import ShardedBatches
+from app.parallel.watch import descendants
+from app.storage import DatasetRoot
+from app.tables import train_cls_list
 from app.slurm import expand_counts, expand_hostlist
+from conftest import REPO, run_driver
+from test_reliability import CATALOG, EXACT, assert_bit_identical, last, metric_rows
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -136,3 +153,146 @@ def test_a_launched_process_refuses_to_start_workers_of_its_own():
         task.check_one_device_each(8, [])
     with pytest.raises(UserError, match="--devices cpu,cpu conflicts with torchrun"):
         LaunchEnv(0, 2, 0).check_one_device_each(0, ["cpu", "cpu"])
+
+
+def test_loader_processes_outlive_the_signals_slurm_sends_to_the_whole_step(tiny_sample):
+    """slurmstepd signals every process of a step: a loader process killed by SIGUSR1 or
+    SIGTERM would fail its worker's next batch before the worker could save."""
+    root = DatasetRoot("t", str(tiny_sample))
+    frame = train_cls_list(root)
+    batches = ShardedBatches(len(frame), 32, seed=0)
+    before = set(descendants(os.getpid()))
+    loader = iter(build_loader(root, frame, TrainRecipe(24), batches, workers=1))
+    images = len(next(loader))
+    (pid,) = set(descendants(os.getpid())) - before
+    for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        os.kill(pid, signum)
+    images += sum(len(batch) for batch in loader)  # every later batch still arrives
+    assert images == len(frame)
+
+
+# --- two srun tasks on loopback --------------------------------------------------------------
+
+def free_job_id() -> str:
+    """A job id whose derived port (10000 + id % 20000) is free on this machine now."""
+    for _ in range(100):
+        job_id = random.randrange(10 ** 5, 10 ** 6)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", slurm.job_port(str(job_id))))
+            except OSError:
+                continue
+        return str(job_id)
+    raise AssertionError("no free port in 10000-29999")
+
+
+def srun_environ(job_id: str, rank: int, tasks: int = 2) -> dict[str, str]:
+    """What srun gives task `rank` of `srun --ntasks 2` on one node (no MASTER_*, no RANK)."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                        "MASTER_ADDR", "MASTER_PORT")}
+    return {**base, "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+            "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
+            "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_TASKS_PER_NODE": str(tasks),
+            "SLURM_STEP_TASKS_PER_NODE": str(tasks), "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_NNODES": "1"}
+
+
+class Step:
+    """The tasks of one srun step: every task runs bin/driver.py with the same flags."""
+
+    def __init__(self, cwd, job_id: str, *flags: str, tasks: int = 2):
+        self.logs = [cwd / f"task{rank}.err" for rank in range(tasks)]
+        self.tasks = [subprocess.Popen(
+            [sys.executable, str(REPO / "bin" / "driver.py"), *flags], cwd=cwd,
+            env=srun_environ(job_id, rank, tasks), stdout=subprocess.DEVNULL,
+            stderr=open(log, "w")) for rank, log in enumerate(self.logs)]
+
+    def stderr(self, rank: int) -> str:
+        return self.logs[rank].read_text()
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [task.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    for task in self.tasks]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"tasks still running: {self.stderr(0)[-2000:]}"
+                                 f"{self.stderr(1)[-2000:]}") from None
+
+    def kill(self) -> None:
+        for task in self.tasks:
+            if task.poll() is None:
+                task.kill()
+                task.wait()
+
+
+SRUN_FLAGS = (*CATALOG, *EXACT, "-b", "4", "--device", "cpu", "--sync", "allreduce")
+
+
+@pytest.fixture(scope="module")
+def drivers_own(tmp_path_factory):
+    """The driver's own two all-reduce workers with the same global batch (2 x 4): where the
+    srun tasks must end."""
+    cwd = tmp_path_factory.mktemp("drivers-own")
+    result = run_driver(*CATALOG, *EXACT, "-b", "4", "--devices", "cpu,cpu", "--sync",
+                        "allreduce", "--run-name", "own", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return last(cwd / "runs" / "own")
+
+
+def test_srun_tasks_train_like_the_drivers_own_workers(drivers_own, tmp_path):
+    job_id = free_job_id()
+    step = Step(tmp_path, job_id, *SRUN_FLAGS)  # no --run-name: the job names the run
+    assert step.wait(timeout=240) == [0, 0], step.stderr(0)[-3000:] + step.stderr(1)[-3000:]
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    assert_bit_identical(drivers_own, last(run_dir))
+    rows = metric_rows(run_dir)
+    assert [r["epoch"] for r in rows if "val/top1" in r] == [1, 2]  # task 0 logged, once each
+    assert "Traceback" not in step.stderr(0) + step.stderr(1)
+
+
+def test_sigusr1_to_one_task_saves_then_the_requeued_job_resumes(drivers_own, tmp_path):
+    """The time-limit warning reaches one task: both tasks save at the same step and exit 75;
+    the job, requeued under the same id, continues with --resume auto and ends exactly where
+    an uninterrupted run does. (Loader processes: the test above.)"""
+    job_id = free_job_id()
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    flags = (*SRUN_FLAGS, "--resume", "auto")  # the same command in the job and its requeue
+    step = Step(tmp_path, job_id, *flags)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(r["step"] >= 5 for r in metric_rows(run_dir)):
+            assert all(t.poll() is None for t in step.tasks), step.stderr(0) + step.stderr(1)
+            assert time.monotonic() < deadline, "no training step logged"
+            time.sleep(0.05)
+        step.tasks[1].send_signal(signal.SIGUSR1)
+        codes = step.wait(timeout=120)
+    finally:
+        step.kill()
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, step.stderr(0)[-3000:] + step.stderr(1)[-3000:]
+    assert f"--resume auto --run-name slurm-{job_id}" in step.stderr(0)
+    cut = last(run_dir)
+    assert cut["epoch"] < 2 and 0 < cut["epoch_step"] < 20  # stopped inside an epoch
+    assert len(cut["replicas"]) == 2
+
+    requeued = Step(tmp_path, job_id, *flags)
+    assert requeued.wait(timeout=240) == [0, 0], requeued.stderr(0)[-3000:]
+    assert_bit_identical(drivers_own, last(run_dir))
+    steps = [r["step"] for r in metric_rows(run_dir) if "train/loss" in r]
+    assert steps[-1] == 40 and steps.count(cut["step"] + 1) == 1  # went on, nothing repeated
+
+
+def test_gpus_inside_an_srun_task_is_a_one_line_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, "--gpus", "2"],
+        cwd=tmp_path, env=srun_environ("31337", 0), capture_output=True, text=True,
+        timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --gpus 2 conflicts with srun, which started this process as one of 2 workers "
+        "with one device each; drop --gpus 2 and ask srun for them: --ntasks-per-node N "
+        "--gpus-per-task 1"]
+    assert not (tmp_path / "runs").exists()
