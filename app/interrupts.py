@@ -27,6 +27,10 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; r
 # SIGUSR1: what Slurm users ask for before the time limit (`--signal=USR1@SECONDS`); it means
 # the same here as a preemption's SIGTERM: save, then stop with PREEMPTED_EXIT_CODE.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# A worker under a launcher may get one request twice within milliseconds: at preemption or
+# scancel slurmstepd signals every process of the step, and the srun or torchrun above the
+# worker forwards the signal it got as well. Only a signal later than this is a second one.
+REPEAT_WINDOW_S = 1.0
 
 
 def ignore_stop_signals(*_: object) -> None:
@@ -106,19 +110,23 @@ class SharedRequests:
 
 class AgreedRequests:
     """Signal handlers in this process turn the first stop signal (SIGINT, SIGTERM, SIGUSR1)
-    into a stop request; a second one stops at once (KeyboardInterrupt)."""
+    into a stop request; a second one stops at once (KeyboardInterrupt), unless it comes
+    within REPEAT_WINDOW_S of the first: then it is the same request delivered twice."""
 
     def __init__(self, sync: Any, world_size: int, interval_minutes: float):
         self.sync = sync
         self.world_size = world_size
         self.interval = Interval(interval_minutes)
         self.received: int | None = None
+        self.received_at = 0.0
         self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
 
     def handle(self, signum: int, _frame: Any) -> None:
-        if self.received is not None:
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self.received_at = signum, now
+        elif now - self.received_at > REPEAT_WINDOW_S:
             raise KeyboardInterrupt
-        self.received = signum
 
     def poll(self, rank: int, step: int) -> Action:
         wishes = (self.received is not None, self.interval.due())

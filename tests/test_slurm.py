@@ -15,7 +15,7 @@ import pytest
 from app import slurm
 from app.devices import LaunchEnv
 from app.errors import UserError
-from app.interrupts import PREEMPTED_EXIT_CODE
+from app.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, Action, AgreedRequests
 from app.data.augment import TrainRecipe
 from app.data.pillow_pipeline import build_loader
 from app.data.sampler import ShardedBatches
@@ -153,6 +153,23 @@ def test_a_launched_process_refuses_to_start_workers_of_its_own():
         task.check_one_device_each(8, [])
     with pytest.raises(UserError, match="--devices cpu,cpu conflicts with torchrun"):
         LaunchEnv(0, 2, 0).check_one_device_each(0, ["cpu", "cpu"])
+
+
+def test_a_stop_signal_delivered_twice_is_one_request():
+    """At preemption slurmstepd signals every task, and srun (or torchrun) forwards the
+    signal it got too: the repeat must not turn the save-and-stop into a stop at once."""
+    requests = AgreedRequests(sync=None, world_size=1, interval_minutes=0)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert requests.poll(0, 5) == Action(save=True, stop=True)
+        time.sleep(REPEAT_WINDOW_S + 0.1)
+        with pytest.raises(KeyboardInterrupt):  # a later one: a person who means it
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.5)
+    finally:
+        requests.restore()
 
 
 def test_loader_processes_outlive_the_signals_slurm_sends_to_the_whole_step(tiny_sample):
