@@ -7,11 +7,13 @@ import logging
 import os
 import secrets
 import shlex
+import socket
 import string
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlsplit
 
 from app import skipped, slurm
 from app.catalog import Catalog
@@ -81,6 +83,11 @@ def check_launched(config: Config, launch: LaunchEnv) -> None:
         raise UserError("under torchrun, torchrun restarts the processes: give it "
                         "--max-restarts (before bin/driver.py) and give the driver --resume "
                         "auto instead of run.max_restarts")
+    host = urlsplit(launch.init_method).hostname
+    if launch.launcher == "srun" and launch.rank == 0 and not slurm.is_this_machine(host):
+        # the others would wait for task 0 at `host` until --sync-timeout
+        raise UserError(f"task 0 runs on {socket.gethostname()}, but the tasks meet at {host} "
+                        "(the first node of the step): set MASTER_ADDR to task 0's host")
     launch.check_one_device_each(config.parallel.gpus, config.parallel.devices)
 
 

@@ -11,6 +11,7 @@ without any exchange and without calling scontrol. app/devices.py decides which 
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -143,6 +144,22 @@ def tasks_on_this_node(environ: Mapping[str, str]) -> int:
     counts = expand_counts(text)
     node = whole_number("SLURM_NODEID", environ.get("SLURM_NODEID", "0"))
     return counts[node] if node < len(counts) else 1
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` names this machine: one of its addresses can be bound here."""
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _, _, address in addresses:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def run_name(environ: Mapping[str, str]) -> str:

@@ -2,6 +2,7 @@
 processes started with the environment srun gives its tasks) training on loopback, stopped by
 SIGUSR1 and continued with --resume auto."""
 
+import dataclasses
 import os
 import random
 import signal
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from app import slurm
+from app.config import Config
 from app.devices import LaunchEnv
 from app.errors import UserError
 from app.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, Action, AgreedRequests
@@ -20,6 +22,7 @@ from app.data.augment import TrainRecipe
 from app.data.pillow_pipeline import build_loader
 from app.data.sampler import ShardedBatches
 from app.parallel.watch import descendants
+from app.run import check_launched, with_job_run_name
 from app.storage import DatasetRoot
 from app.tables import train_cls_list
 from app.slurm import expand_counts, expand_hostlist
@@ -130,6 +133,35 @@ def test_run_names_come_from_the_job():
     assert slurm.run_name({"SLURM_JOB_ID": "4243", "SLURM_ARRAY_JOB_ID": "4240",
                            "SLURM_ARRAY_TASK_ID": "3"}) == "slurm-4240_3"
     assert slurm.run_name({}) == ""
+
+
+def test_the_run_name_defaults_to_the_job_for_launched_groups_and_resume_auto():
+    job = {"SLURM_JOB_ID": "4242"}
+    config = Config()
+    named = dataclasses.replace(config, run=dataclasses.replace(config.run, name="mine"))
+    resuming = dataclasses.replace(config, run=dataclasses.replace(config.run, resume="auto"))
+    task = LaunchEnv.from_environ(SRUN_TASK_9)
+    assert with_job_run_name(config, task, SRUN_TASK_9).run.name == "slurm-4242"
+    assert with_job_run_name(named, task, SRUN_TASK_9).run.name == "mine"  # --run-name wins
+    assert with_job_run_name(resuming, None, job).run.name == "slurm-4242"  # sbatch --requeue
+    # a plain run inside an allocation keeps a name of its own (two runs, two folders)
+    assert with_job_run_name(config, None, job).run.name == ""
+    assert with_job_run_name(resuming, None, {}).run.name == ""  # outside Slurm: as before
+
+
+def test_slurm_restarts_a_job_the_driver_does_not():
+    config = Config()
+    restarting = dataclasses.replace(config, run=dataclasses.replace(
+        config.run, name="r50", max_restarts=3))
+    with pytest.raises(UserError, match="under srun, Slurm starts the job again: submit it "
+                                        "with sbatch --requeue"):
+        check_launched(restarting, LaunchEnv.from_environ(SRUN_TASK_9))
+
+
+def test_task_0_must_run_where_the_tasks_meet():
+    assert slurm.is_this_machine("localhost") and slurm.is_this_machine(socket.gethostname())
+    assert not slurm.is_this_machine("192.0.2.1")  # TEST-NET-1: never this machine's
+    assert not slurm.is_this_machine("no-such-node.invalid")
 
 
 def test_each_task_takes_its_own_gpu_bound_or_not():
@@ -313,3 +345,22 @@ def test_gpus_inside_an_srun_task_is_a_one_line_error(tmp_path):
         "with one device each; drop --gpus 2 and ask srun for them: --ntasks-per-node N "
         "--gpus-per-task 1"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_task_0_on_another_host_than_the_first_node_is_a_one_line_error(tmp_path):
+    """Rather than every task waiting for --sync-timeout at an address nobody serves."""
+    environ = {**srun_environ("31337", 0), "SLURM_STEP_NODELIST": "gpu[001-002]",
+               "SLURM_JOB_NODELIST": "gpu[001-002]"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG], cwd=tmp_path,
+        env=environ, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: task 0 runs on {socket.gethostname()}, but the tasks meet at gpu001 (the "
+        "first node of the step): set MASTER_ADDR to task 0's host"]
+    # MASTER_ADDR wins over the node list: past that check, the next one answers
+    environ["MASTER_ADDR"] = "localhost"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, "--gpus", "2"],
+        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--gpus 2 conflicts with srun" in result.stderr
