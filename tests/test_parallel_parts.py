@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.devices import TorchrunEnv, worker_devices
+from app.devices import LaunchEnv, worker_devices
 from app.errors import UserError
 from app.models import create_model
 from app.parallel import compare_checksums, weights_checksum
@@ -175,7 +175,7 @@ def test_sync_mode_choice():
     assert choose_sync("auto", ["cpu"], None) == "local"
     assert choose_sync("auto", ["cpu", "cpu"], None) == "ps"
     assert choose_sync("allreduce", ["cpu", "cpu"], None) == "allreduce"
-    torchrun = TorchrunEnv(rank=3, world_size=16, local_rank=3)
+    torchrun = LaunchEnv(rank=3, world_size=16, local_rank=3)
     assert choose_sync("auto", ["cpu"], torchrun) == "allreduce"
     with pytest.raises(UserError, match="under torchrun use --sync allreduce"):
         choose_sync("ps", ["cpu"], torchrun)
@@ -189,6 +189,6 @@ def test_device_lists():
     assert worker_devices(0, [], "cpu") == ["cpu"]
     with pytest.raises(UserError, match="unknown device 'tpu:0'|not supported"):
         worker_devices(0, ["tpu:0"], "auto")
-    assert TorchrunEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == \
-        TorchrunEnv(1, 4, 1)
-    assert TorchrunEnv.from_environ({}) is None
+    assert LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == \
+        LaunchEnv(1, 4, 1)
+    assert LaunchEnv.from_environ({}) is None
