@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, torchrun)
+    if config.model.pretrained:
+        check_pretrained(job, primary=not (torchrun and torchrun.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (torchrun and torchrun.rank))
     if torchrun:
@@ -60,6 +62,23 @@ def main(argv: list[str]) -> int:
     if code == PREEMPTED_EXIT_CODE and not (torchrun and torchrun.rank):
         print(resume_hint(job), file=sys.stderr)
     return code
+
+
+def check_pretrained(job: TrainJob, primary: bool) -> None:
+    """--pretrained weights that do not fit stop the run here, before any worker starts; a
+    re-initialised classifier is reported once (by the primary), not by every worker."""
+    from app import pretrained  # noqa: PLC0415
+    from app.models import create_model_from_config  # noqa: PLC0415
+    model = create_model_from_config(dataclasses.replace(job.config.model, pretrained=""),
+                                     job.tables.num_classes)
+    warning = pretrained.check(model, job.config.model.pretrained, job.tables.wnids,
+                               job.config.run.evaluate, log.info if primary else print_nothing)
+    if warning and primary:
+        log.warning("%s", warning)
+
+
+def print_nothing(line: str) -> None:
+    """What the other ranks under torchrun report: the primary has said it."""
 
 
 def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
