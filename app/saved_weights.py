@@ -12,11 +12,9 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import posixpath
 import re
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,11 +22,12 @@ from app.checkpoint import FORMAT
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.resolution import DEFAULT_CROP_FRACTION, resolve
 from app.errors import UserError, first_line
-from app.storage import DatasetRoot, scheme_of
+from app.locations import is_folder, join, read_bytes
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_ONNX = "model.onnx"
+ONNX_INPUT, ONNX_OUTPUT = "input", "logits"  # model.onnx's graph: NCHW float32 -> logits
 OUR_SECTION = "imagenet_dp"  # config.json's own section: what timm's fields cannot say
 # torch.save's zip archive, or the legacy pickle of torch < 1.6
 TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
@@ -131,41 +130,6 @@ def spec_of_export(config: dict, where: str) -> ModelSpec:
         tuple(pretrained.get("std") or IMAGENET_STD),
         tuple(names), tuple(words.get(name, "") for name in names) if names else (),
         ",".join(names) if names else str(num_classes))
-
-
-# --- where the bytes are ---------------------------------------------------------------------
-
-def is_local(location: str) -> bool:
-    return not scheme_of(location)
-
-
-def join(folder: str, name: str) -> str:
-    return str(Path(folder) / name) if is_local(folder) else f"{folder.rstrip('/')}/{name}"
-
-
-def is_folder(location: str) -> bool:
-    if is_local(location):
-        return Path(location).is_dir()
-    root = DatasetRoot("model", location.rstrip("/"))
-    try:
-        return root.fs.isdir(root.root)
-    except OSError as error:
-        raise UserError(f"cannot reach {location}: {first_line(error, 120)}") from None
-
-
-def read_bytes(location: str) -> bytes:
-    """The bytes of a local file or of any fsspec URL (through app/storage.py's clients)."""
-    try:
-        if is_local(location):
-            return Path(location).read_bytes()
-        parent, name = posixpath.split(location)
-        return DatasetRoot("model", parent).read_bytes(name)
-    except FileNotFoundError:
-        raise UserError(f"{location} not found") from None
-    except IsADirectoryError:
-        raise UserError(f"{location} is a folder without {EXPORT_CONFIG}") from None
-    except OSError as error:
-        raise UserError(f"cannot read {location}: {first_line(error, 120)}") from None
 
 
 def _torch_load(location: str):
