@@ -33,7 +33,11 @@ def export(location: str, out_dir: str | Path, ema: bool = False, onnx: bool = F
            report: Callable[[str], None] = print) -> list[Path]:
     """Write the export of the checkpoint (or export folder) at `location`; returns the
     files written. `report` hears what timm cannot rebuild, if anything."""
-    loaded = open_model(location, ema)
+    return export_model(open_model(location, ema), out_dir, ema, onnx, report)
+
+
+def export_model(loaded: LoadedModel, out_dir: str | Path, ema: bool = False,
+                 onnx: bool = False, report: Callable[[str], None] = print) -> list[Path]:
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
