@@ -23,7 +23,7 @@ from app.predict import Transform
 from app.storage import DatasetRoot
 from app.tables import load_tables
 from conftest import REPO
-from trained import epoch_records, train_tiny
+from trained import CATALOG, epoch_records, train_tiny
 
 CROP_FRACTION = 32 / 37  # the tiny runs' val transform: resize 37, crop 32
 
@@ -88,7 +88,8 @@ def test_timm_loads_the_export_and_gives_our_logits(trained, val_images):
                                    rtol=0, atol=1e-5)
     assert theirs.pretrained_cfg["label_names"] == checkpoint.load(last)["class_names"]
     data = timm.data.resolve_data_config({}, model=theirs)
-    assert tuple(data["input_size"]) == (3, 32, 32) and data["crop_pct"] == pytest.approx(CROP_FRACTION)
+    assert tuple(data["input_size"]) == (3, 32, 32)
+    assert data["crop_pct"] == pytest.approx(CROP_FRACTION)
 
 
 def test_onnx_runtime_matches_our_logits_and_the_drivers_top1(trained, val_images):
@@ -146,3 +147,17 @@ def test_a_small_variant_exports_for_our_tools_and_says_timm_cannot(tmp_path):
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(rebuilt.model(images), model(images), rtol=0, atol=0)
+
+
+def test_validate_rates_the_export_as_the_driver_rated_the_checkpoint(trained, tmp_path):
+    """bin/validate.py: the driver's evaluation, set up from config.json (classes, sizes)."""
+    run, _, out = trained
+    result = subprocess.run([sys.executable, str(REPO / "bin" / "validate.py"), str(out),
+                             *CATALOG, "-j", "0", "--run-name", "v", "--output-dir",
+                             str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr
+    evaluated = epoch_records(run)[-1]
+    assert result.stdout.splitlines()[-1] == (
+        f"{out}: top-1 {evaluated['val/top1']:.4f}  top-5 {evaluated['val/top5']:.4f}  "
+        f"(100 images, 0 skipped; {tmp_path / 'v' / 'metrics.jsonl'})")
