@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from app.config import AugmentConfig, OptimConfig
@@ -184,6 +185,7 @@ def main(argv: list[str]) -> int:
                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
                            tuple(filter(None, args.auto_augment.split(","))))
     elif args.command == "predict":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bin/predict.py: before torch
         from app.bench import predict as bench  # noqa: PLC0415
         if bool(args.model) == bool(args.arch):
             build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
