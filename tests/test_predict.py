@@ -36,7 +36,7 @@ def run_predict(*args, cwd):
 def trained(tmp_path_factory, tiny_sample):
     """(cwd, last.pt, the val images the evaluation rates correctly: {path: wnid})."""
     cwd = tmp_path_factory.mktemp("predict")
-    run_dir = train_tiny(cwd, "source", 3)
+    run_dir = train_tiny(cwd, "source", 2)
     last = run_dir / "checkpoints" / "last.pt"
     tables = load_tables(DatasetRoot("sample_tiny", str(tiny_sample)))
     model = timm.create_model("test_resnet", num_classes=10)
