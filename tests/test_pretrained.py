@@ -1,8 +1,6 @@
 """--pretrained (app/pretrained.py, app/saved_weights.py): a new run from saved weights, keys
 matched by name and shape, a classifier of another class count re-initialised."""
 
-import dataclasses
-
 import pytest
 import torch
 import torchvision
@@ -16,7 +14,6 @@ from app.errors import UserError
 from app.models import create_model, create_model_from_config
 from app.parallel import LocalSync
 from app.run import prepare_job, write_run_folder
-from app.tables import class_index
 from app.train import Position, Trainer
 from conftest import TINY_TRAIN_FLAGS, run_driver
 from trained import CATALOG, epoch_records, train_tiny
@@ -145,3 +142,19 @@ def test_evaluating_on_other_classes_is_refused_and_training_warned(source, tiny
     warning = pretrained.check(model, str(path), wnids, False, print)
     assert warning and "its classifier is kept" in warning
     assert pretrained.check(model, str(path), wnids[::-1], True, print) is None
+
+
+def test_weights_at_an_s3_url_load_as_from_the_file(source, s3_server, monkeypatch):
+    """Any fsspec URL: here a real S3 endpoint (moto_server), read through app/storage.py."""
+    _, path = source
+    client = s3_server.client()
+    client.create_bucket(Bucket="weights")
+    client.put_object(Bucket="weights", Key="runs/last.pt", Body=path.read_bytes())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)  # botocore's, s3fs follows it
+    model = create_model_from_config(
+        ModelConfig(arch="test_resnet", pretrained="s3://weights/runs/last.pt"), 10)
+    saved = checkpoint.load(path)["model"]
+    assert all(torch.equal(model.state_dict()[key], saved[key]) for key in saved)
+    with pytest.raises(UserError, match="s3://weights/runs/nope.pt not found"):
+        create_model_from_config(
+            ModelConfig(arch="test_resnet", pretrained="s3://weights/runs/nope.pt"), 10)
