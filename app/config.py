@@ -3,7 +3,8 @@
 Every parameter is declared once: type, default, help, its range check and any short or
 pytorch/examples-style alias. Its flag is its key (`optim.weight_decay` -> --weight-decay); the
 TOML sections and the command line are two ways to fill the same tree.
-Precedence: flags > file > defaults (app/config_sources.py reads the file and the flags).
+Precedence: flags > file > defaults (app/config_sources.py reads the file and the flags;
+app/config_checks.py checks the ranges and the rules that involve several parameters).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.errors import UserError
 
 
 Check = tuple[Callable[[Any], bool], str]  # (is the value allowed?, "must be ...")
@@ -174,10 +174,11 @@ class OptimConfig:
     label_smoothing: float = param(0.0, "label smoothing of the cross-entropy loss",
                                    check=between(0, 1))
     schedule: str = param(
-        "cosine", "LR schedule after warmup: cosine (to --lr-min), step, or ffcv = FFCV's "
+        "cosine", "LR schedule after warmup: cosine (to --lr-min), step, poly (polynomial "
+        "decay of power --lr-poly-power to --lr-min: MLPerf's LARS schedule), or ffcv = FFCV's "
         "'cyclic' schedule (linear from 1e-4 x LR to the LR at --lr-peak-epoch, then linear to "
         "zero at the last epoch, per step; its ramp replaces the warmup)",
-        choices=("cosine", "step", "ffcv"))
+        choices=("cosine", "step", "poly", "ffcv"))
     warmup_epochs: float = param(5.0, "warmup length in epochs", "--lr-warmup-epochs",
                                  check=at_least(0))
     lr_warmup_method: str = param("linear", "warmup: linear (from --lr-warmup-decay x LR up to "
@@ -186,8 +187,11 @@ class OptimConfig:
     lr_warmup_decay: float = param(0.0, "the warmup's starting factor (torchvision: 0.01; 0 = "
                                    "linear from the first step's share, as before)",
                                    check=between(0, 1))
-    lr_min: float = param(0.0, "cosine schedule: the LR it ends at (torchvision's --lr-min)",
+    lr_min: float = param(0.0, "cosine and poly schedules: the LR they end at (torchvision's "
+                          "--lr-min; MLPerf's end learning rate)",
                           check=at_least(0))
+    lr_poly_power: float = param(2.0, "poly schedule: the power of the decay (MLPerf: 2)",
+                                 check=positive())
     lr_peak_epoch: float = param(2.0, "ffcv schedule: the epoch the LR peaks at (FFCV: 2)",
                                  check=at_least(0))
     step_epochs: int = param(30, "step schedule: decay every N epochs", check=at_least(1))
@@ -204,6 +208,15 @@ class TrainConfig:
         1, "gradient accumulation: micro-batches of --batch-size per optimizer step, gradients "
         "exchanged once per step; the effective global batch (which scales the LR) is batch "
         "size x devices x this", check=at_least(1))
+    # torchvision's names and semantics (app/ema.py)
+    model_ema: bool = param(False, "keep an exponential moving average of the weights (and "
+                            "buffers), evaluated beside them every epoch (val_ema/*); costs one "
+                            "more copy of the model in device memory")
+    model_ema_steps: int = param(32, "update the EMA every N optimizer steps",
+                                 check=at_least(1))
+    model_ema_decay: float = param(0.99998, "EMA decay per image-normalised update, adjusted "
+                                   "as torchvision does for --model-ema-steps, the global batch "
+                                   "and the epochs", check=between(0, 1))
     seed: int = param(0, "seed for weights, data order and augmentation")
     print_freq: int = param(10, "log train metrics every N steps", "-p", check=at_least(1))
     device: str = param("auto", "device: auto (cuda if present), cpu, cuda, cuda:N")
@@ -252,6 +265,7 @@ class RunConfig:
     output_dir: str = param("runs", "folder that holds the run folders")
     resume: str = param("", "checkpoint to resume from, or `auto` = last.pt of this run")
     evaluate: bool = param(False, "only evaluate the model (from --resume) on the val set", "-e")
+    use_ema: bool = param(False, "with -e: evaluate the checkpoint's EMA weights")
     # A failure costs the steps since the newest checkpoint: at most this long (or an epoch).
     checkpoint_interval: float = param(
         30.0, "also save a checkpoint every this many minutes (mid-epoch; 0 = epoch ends only)",
@@ -301,42 +315,3 @@ class Config:
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
 RENAMED = {"parallel.timeout_s": "parallel.sync_timeout"}  # config files of earlier versions
-
-
-def validate(config: Config) -> None:
-    """Each parameter's own range (declared beside it), then what involves several."""
-    for section in dataclasses.fields(config):
-        values = getattr(config, section.name)
-        for f in dataclasses.fields(values):
-            check = f.metadata.get("check")
-            if check and not check[0](getattr(values, f.name)):
-                raise UserError(f"{section.name}.{f.name} {check[1]}, got "
-                                f"{getattr(values, f.name)!r}")
-    validate_progressive(config.data)
-    if config.optim.lr_warmup_method == "constant" and not config.optim.lr_warmup_decay:
-        raise UserError("--lr-warmup-method constant needs --lr-warmup-decay > 0 (the warmup's "
-                        "LR factor; torchvision uses 0.01)")
-    if config.parallel.gpus and config.parallel.devices:
-        raise UserError("give either --gpus or --devices, not both")
-    kinds = {device.split(":")[0] for device in config.parallel.devices}
-    if {"cpu", "cuda"} <= kinds:
-        # Replicas on both would step in different precisions and kernels (they must stay
-        # bit-identical), and the parameter server keeps order with CUDA events that a CPU
-        # worker does not have.
-        raise UserError(f"--devices {','.join(config.parallel.devices)} mixes CPU and CUDA "
-                        "devices; give all cuda:N or all cpu")
-
-
-def validate_progressive(data: DataConfig) -> None:
-    if not (data.progressive_start_size or data.progressive_end_size):
-        return
-    if not (data.progressive_start_size and data.progressive_end_size):
-        raise UserError("progressive resizing needs both --progressive-start-size and "
-                        "--progressive-end-size")
-    if data.train_crop_size:
-        raise UserError("give either --train-crop-size or progressive resizing "
-                        "(--progressive-start-size ...), not both")
-    if (data.progressive_start_size != data.progressive_end_size
-            and data.progressive_end_epoch <= data.progressive_start_epoch):
-        raise UserError(f"--progressive-end-epoch ({data.progressive_end_epoch}) must be after "
-                        f"--progressive-start-epoch ({data.progressive_start_epoch})")

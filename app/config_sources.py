@@ -13,7 +13,8 @@ from typing import Any
 
 import tomli_w
 
-from app.config import RENAMED, SECTIONS, Config, validate
+from app.config import RENAMED, SECTIONS, Config
+from app.config_checks import validate
 from app.errors import UserError
 from app.tomlfile import read_toml
 

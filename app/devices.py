@@ -1,11 +1,14 @@
-"""Device discovery and where each worker runs. torch is imported only when a device is
-actually looked up, so configuration mistakes are reported before its import cost."""
+"""Device discovery, where each worker runs, and who started this process (torchrun, srun).
+torch is imported only when a device is actually looked up, so configuration mistakes are
+reported before its import cost."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
+from app import slurm
 from app.errors import UserError
 
 
@@ -73,21 +76,71 @@ def worker_devices(gpus: int, devices: list[str], device: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class TorchrunEnv:
-    """What torchrun (or any launcher following its conventions) tells this process."""
+class LaunchEnv:
+    """This process as one worker of a group a launcher started: torchrun (also inside
+    Kubernetes' PyTorchJob) or srun. Built once from the environment, passed down."""
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int = 1  # the workers on this machine (they share its CPU cores)
+    launcher: str = "torchrun"  # names the launcher in messages: torchrun or srun
+    init_method: str = "env://"  # torchrun's rendezvous; tcp://MASTER:PORT under srun
 
     @classmethod
-    def from_environ(cls, environ) -> "TorchrunEnv | None":
-        if "RANK" not in environ or "WORLD_SIZE" not in environ:
+    def from_environ(cls, environ: Mapping[str, str]) -> "LaunchEnv | None":
+        """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win,
+        each of them, over Slurm's: torchrun started inside a Slurm job, or a batch script
+        that exports MASTER_ADDR before srun. None for a process no launcher started."""
+        if "RANK" in environ and "WORLD_SIZE" in environ:
+            return cls(whole(environ, "RANK"), whole(environ, "WORLD_SIZE"),
+                       whole(environ, "LOCAL_RANK", "0"), whole(environ, "LOCAL_WORLD_SIZE", "1"))
+        task = slurm.slurm_task(environ)
+        if task is None:
             return None
-        try:
-            return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]),
-                       int(environ.get("LOCAL_RANK", "0")),
-                       int(environ.get("LOCAL_WORLD_SIZE", "1")))
-        except ValueError:
-            raise UserError("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be whole "
-                            "numbers (set by torchrun)") from None
+        host = environ.get("MASTER_ADDR") or task.master_host
+        port = whole(environ, "MASTER_PORT") if environ.get("MASTER_PORT") else \
+            slurm.job_port(task.job_id)
+        return cls(whole(environ, "RANK", str(task.rank)), task.world_size,
+                   whole(environ, "LOCAL_RANK", str(task.local_rank)), task.local_world_size,
+                   launcher="srun", init_method=f"tcp://{bracketed(host)}:{port}")
+
+    def check_one_device_each(self, gpus: int, devices: list[str]) -> None:
+        """The launcher started one process per GPU: a process cannot start more workers."""
+        if not gpus and len(devices) <= 1:
+            return
+        flag = f"--gpus {gpus}" if gpus else f"--devices {','.join(devices)}"
+        how = ("ask srun for them: --ntasks-per-node N --gpus-per-task 1"
+               if self.launcher == "srun" else "give torchrun --nproc-per-node N")
+        raise UserError(f"{flag} conflicts with {self.launcher}, which started this process as "
+                        f"one of {self.world_size} workers with one device each; drop {flag} "
+                        f"and {how}")
+
+    def device(self, requested: str, visible_gpus: int, bound: bool) -> str:
+        """This worker's device: cpu when asked for (or without a GPU), else its own GPU.
+        A process that sees more GPUs than its local rank takes cuda:LOCAL_RANK (torchrun;
+        srun with --gpus-per-node, every task sees the node's GPUs). A process bound to its
+        own GPU sees only that one as cuda:0 (srun --gpus-per-task 1, or --gpu-bind; `bound`:
+        SLURM_GPUS_PER_TASK is set)."""
+        if requested == "cpu" or visible_gpus == 0:
+            return "cpu"
+        if self.local_rank < visible_gpus:
+            return f"cuda:{self.local_rank}"
+        if visible_gpus == 1 or bound:
+            return "cuda:0"
+        raise UserError(f"local rank {self.local_rank} sees only {visible_gpus} GPUs: start "
+                        "one task per GPU (srun --gpus-per-task 1, or --ntasks-per-node equal "
+                        "to the GPUs per node)")
+
+
+def bracketed(host: str) -> str:
+    """An IPv6 address in a tcp:// URL goes in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def whole(environ: Mapping[str, str], name: str, default: str | None = None) -> int:
+    value = environ[name] if default is None else environ.get(name, default)
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name}={value!r} must be a whole number (set by the launcher)"
+                        ) from None

@@ -1,6 +1,7 @@
 """Saving and stopping at a step every worker agrees on.
 
-A signal (SIGTERM from a scheduler or a preemption notice, Ctrl-C) or the
+A signal (SIGTERM from a scheduler or a preemption notice, SIGUSR1 before Slurm's time limit
+with `sbatch --signal=USR1@120`, Ctrl-C) or the
 --checkpoint-interval timer asks for a checkpoint. Every worker must save at the same step,
 because a checkpoint gathers state from all of them (BatchNorm statistics, RNG states, epoch
 sums). Two ways to agree:
@@ -23,7 +24,22 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; resume to go on
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGUSR1: what Slurm users ask for before the time limit (`--signal=USR1@SECONDS`); it means
+# the same here as a preemption's SIGTERM: save, then stop with PREEMPTED_EXIT_CODE.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# A worker under a launcher may get one request twice within milliseconds: at preemption or
+# scancel slurmstepd signals every process of the step, and the srun or torchrun above the
+# worker forwards the signal it got as well. Only a signal later than this is a second one.
+REPEAT_WINDOW_S = 1.0
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """In a data loader process: Slurm signals every process of a job step (preemption,
+    `--signal`, scancel), not only the worker. A loader killed by them would fail the worker's
+    next batch before it has saved; the worker stops its loaders itself when it is done.
+    (Also a DataLoader worker_init_fn: it is called with the loader's index.)"""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
@@ -93,20 +109,24 @@ class SharedRequests:
 
 
 class AgreedRequests:
-    """Signal handlers in this process turn the first SIGINT/SIGTERM into a stop request; a
-    second one stops at once (KeyboardInterrupt)."""
+    """Signal handlers in this process turn the first stop signal (SIGINT, SIGTERM, SIGUSR1)
+    into a stop request; a second one stops at once (KeyboardInterrupt), unless it comes
+    within REPEAT_WINDOW_S of the first: then it is the same request delivered twice."""
 
     def __init__(self, sync: Any, world_size: int, interval_minutes: float):
         self.sync = sync
         self.world_size = world_size
         self.interval = Interval(interval_minutes)
         self.received: int | None = None
+        self.received_at = 0.0
         self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
 
     def handle(self, signum: int, _frame: Any) -> None:
-        if self.received is not None:
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self.received_at = signum, now
+        elif now - self.received_at > REPEAT_WINDOW_S:
             raise KeyboardInterrupt
-        self.received = signum
 
     def poll(self, rank: int, step: int) -> Action:
         wishes = (self.received is not None, self.interval.due())

@@ -80,8 +80,8 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
 
 class WarmupSchedule:
     """LR factor per optimizer step: a warmup (torchvision's linear or constant, from
-    --lr-warmup-decay), then cosine down to `floor` (--lr-min as a share of the LR) or step
-    decay; or FFCV's schedule, whose ramp to its peak epoch is its warmup.
+    --lr-warmup-decay), then cosine or polynomial decay down to `floor` (--lr-min as a share
+    of the LR) or step decay; or FFCV's schedule, whose ramp to its peak epoch is its warmup.
     Built from the config on every start; checkpoints hold only the position in it."""
 
     def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int,
@@ -96,6 +96,7 @@ class WarmupSchedule:
         self.step_gamma = config.step_gamma
         self.floor = floor
         self.peak_epoch = config.lr_peak_epoch
+        self.poly_power = config.lr_poly_power
 
     def __call__(self, step: int) -> float:
         if self.kind == "ffcv":
@@ -109,6 +110,9 @@ class WarmupSchedule:
             return self.warmup_decay + (1 - self.warmup_decay) * step / self.warmup_steps
         if self.kind == "step":
             return self.step_gamma ** (step // self.steps_per_epoch // self.step_epochs)
+        if self.kind == "poly":  # MLPerf's: over the steps after the warmup, plus one
+            left = 1 - (step - self.warmup_steps) / (self.total_steps - self.warmup_steps + 1)
+            return self.floor + (1 - self.floor) * max(0.0, left) ** self.poly_power
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return self.floor + (1 - self.floor) * cosine

@@ -42,7 +42,8 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
 
 PANELS = (  # (title, x column, [(column, line style)])
     ("loss", "step", [("train/loss", "-"), ("val/loss", "o--")]),
-    ("val accuracy", "epoch", [("val/top1", "o-"), ("val/top5", "s--")]),
+    ("val accuracy", "epoch", [("val/top1", "o-"), ("val/top5", "s--"),
+                               ("val_ema/top1", "^:")]),
     ("learning rate", "step", [("train/lr", "-")]),
     ("images/s", "step", [("train/images_per_sec", "-")]),
 )

@@ -21,7 +21,8 @@ from app.job import TrainJob
 log = logging.getLogger("imagenet_dp")
 
 REMOTE_SAMPLE = 32  # files looked up on an object store (one request each)
-OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2}  # state tensors per parameter (momentum; moments)
+# state tensors per parameter (momentum; first and second moments)
+OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2, "lars": 1, "lamb": 2}
 
 
 def check(job: TrainJob, saves: bool) -> None:
@@ -39,19 +40,20 @@ def check_room_for_checkpoints(job: TrainJob, model: nn.Module) -> None:
     folder = Path(job.run_dir)
     free = shutil.disk_usage(folder).free
     keep = job.config.run.keep_checkpoints
-    needed = (keep + 2) * checkpoint_bytes(model, job.config.optim.optimizer)
+    needed = (keep + 2) * checkpoint_bytes(model, job.config.optim.optimizer,
+                                           job.config.train.model_ema)
     if needed > free:
         raise UserError(f"{folder}: {_gib(free)} free, but {keep} kept checkpoints need about "
                         f"{_gib(needed)}; free space, choose another --output-dir or lower "
                         "--keep-checkpoints")
 
 
-def checkpoint_bytes(model: nn.Module, optimizer: str) -> int:
-    """Estimated size of one checkpoint: the weights and buffers plus the optimizer's state
-    per weight (created only at the first step, hence estimated)."""
+def checkpoint_bytes(model: nn.Module, optimizer: str, ema: bool = False) -> int:
+    """Estimated size of one checkpoint: the weights and buffers (twice with the EMA's) plus
+    the optimizer's state per weight (created only at the first step, hence estimated)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return weights * (1 + OPTIMIZER_SLOTS[optimizer]) + buffers
+    return weights * OPTIMIZER_SLOTS[optimizer] + (weights + buffers) * (2 if ema else 1)
 
 
 def check_listed_files(job: TrainJob) -> None:

@@ -7,15 +7,17 @@ import logging
 import os
 import secrets
 import shlex
+import socket
 import string
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlsplit
 
-from app import skipped
+from app import skipped, slurm
 from app.catalog import Catalog
-from app.devices import TorchrunEnv
+from app.devices import LaunchEnv
 from app.config import Config
 from app.config_sources import dump_toml, parse_config
 from app.errors import UserError
@@ -34,34 +36,61 @@ DEFAULT_IMAGE_SIZE = 224
 
 def main(argv: list[str]) -> int:
     config, _ = parse_config(argv)
-    torchrun = TorchrunEnv.from_environ(os.environ)
-    if torchrun and not config.run.name:
-        raise UserError("under torchrun pass --run-name: every process must agree on the run "
-                        "folder")
-    if torchrun and config.run.max_restarts:
-        raise UserError("under torchrun, torchrun restarts the processes: give it "
-                        "--max-restarts (before bin/driver.py) and give the driver --resume "
-                        "auto instead of run.max_restarts")
+    launch = LaunchEnv.from_environ(os.environ)
+    config = with_job_run_name(config, launch, os.environ)
+    if launch:
+        check_launched(config, launch)
     job = prepare_job(config)
     # torch and timm take seconds to import: only now, so mistakes above are reported at once.
     from app import preflight  # noqa: PLC0415
     from app.devices import worker_devices  # noqa: PLC0415
     from app.parallel.plans import choose_sync  # noqa: PLC0415
-    from app.worker import torchrun_process  # noqa: PLC0415
+    from app.worker import launched_process  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
-    mode = choose_sync(parallel.sync, devices, torchrun)
+    mode = choose_sync(parallel.sync, devices, launch)
     if config.model.pretrained:
-        check_pretrained(job, primary=not (torchrun and torchrun.rank))
+        check_pretrained(job, primary=not (launch and launch.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
-    preflight.check(job, saves=not (torchrun and torchrun.rank))
-    if torchrun:
-        code = torchrun_process(job, torchrun, torchrun_device(devices, torchrun))
+    preflight.check(job, saves=not (launch and launch.rank))
+    if launch:
+        code = launched_process(job, launch, launched_device(devices, launch))
     else:
         code = run_group(job, devices, mode)
-    if code == PREEMPTED_EXIT_CODE and not (torchrun and torchrun.rank):
+    if code == PREEMPTED_EXIT_CODE and not (launch and launch.rank):
         print(resume_hint(job), file=sys.stderr)
     return code
+
+
+def with_job_run_name(config: Config, launch: LaunchEnv | None, environ) -> Config:
+    """Inside a Slurm job, the job names the run unless --run-name does: every task agrees on
+    it without being told, and a requeued job (same id) continues it with --resume auto. Only
+    for a launched group or --resume auto: two plain runs in one allocation keep their own."""
+    name = slurm.run_name(environ)
+    if config.run.name or not name or not (launch or config.run.resume == "auto"):
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, name=name))
+
+
+def check_launched(config: Config, launch: LaunchEnv) -> None:
+    """What a process started by torchrun or srun cannot be asked for."""
+    if not config.run.name:
+        raise UserError(f"under {launch.launcher} pass --run-name: every process must agree on "
+                        "the run folder")
+    if config.run.max_restarts and launch.launcher == "srun":
+        raise UserError("under srun, Slurm starts the job again: submit it with sbatch "
+                        "--requeue and give the driver --resume auto instead of "
+                        "run.max_restarts")
+    if config.run.max_restarts:
+        raise UserError("under torchrun, torchrun restarts the processes: give it "
+                        "--max-restarts (before bin/driver.py) and give the driver --resume "
+                        "auto instead of run.max_restarts")
+    host = urlsplit(launch.init_method).hostname
+    if launch.launcher == "srun" and launch.rank == 0 and not slurm.is_this_machine(host):
+        # the others would wait for task 0 at `host` until --sync-timeout
+        raise UserError(f"task 0 runs on {socket.gethostname()}, but the tasks meet at {host} "
+                        "(the first node of the step): set MASTER_ADDR to task 0's host")
+    launch.check_one_device_each(config.parallel.gpus, config.parallel.devices)
 
 
 def check_pretrained(job: TrainJob, primary: bool) -> None:
@@ -78,7 +107,7 @@ def check_pretrained(job: TrainJob, primary: bool) -> None:
 
 
 def print_nothing(line: str) -> None:
-    """What the other ranks under torchrun report: the primary has said it."""
+    """What the other ranks of a launched group report: the primary has said it."""
 
 
 def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
@@ -144,9 +173,12 @@ def position(state: dict) -> str:
             f"{state['epoch'] + 1})")
 
 
-def torchrun_device(devices: list[str], torchrun: TorchrunEnv) -> str:
-    """torchrun starts one process per GPU: LOCAL_RANK picks it (or CPU when asked for)."""
-    return "cpu" if devices[0] == "cpu" else f"cuda:{torchrun.local_rank}"
+def launched_device(devices: list[str], launch: LaunchEnv) -> str:
+    """A launcher starts one process per GPU: the local rank picks it (or CPU when asked
+    for); under srun --gpus-per-task 1 the task sees only its own GPU."""
+    import torch  # noqa: PLC0415
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return launch.device(devices[0], visible, bound="SLURM_GPUS_PER_TASK" in os.environ)
 
 
 def prepare_job(config: Config) -> TrainJob:
@@ -214,7 +246,7 @@ def resumed_run_id(checkpoint_path: str) -> str:
 
 def write_run_folder(job: TrainJob) -> None:
     """Create runs/<name>/ with the resolved config.toml (atomically: several processes under
-    torchrun write it at once) and the header of skipped.tsv."""
+    a launcher write it at once) and the header of skipped.tsv."""
     path = Path(job.run_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)

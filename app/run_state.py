@@ -6,20 +6,28 @@ statistics and RNG states ("replica", kept per worker) and the epoch's running s
 The primary writes. Loading hands each worker its own replica entry back, and the summed epoch
 sums to the primary only, so they are counted once. Data order and augmentation need no saved
 state beyond (epoch, epoch_step): they are functions of (seed, epoch, image)
-(app/data/sampler.py), so the loader processes hold nothing that matters.
+(app/data/sampler.py), so the loader processes hold nothing that matters. The EMA's
+weights are identical on every replica (saved once); its BatchNorm statistics are replica
+state like the model's.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from app import checkpoint
 from app.devices import WorkerEnv
+from app.ema import ModelEma
+from app.errors import UserError
 from app.job import TrainJob
 from app.parallel import GradientSync
+
+log = logging.getLogger("imagenet_dp")
 
 
 def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: bool
@@ -52,6 +60,36 @@ def load(path: str, env: WorkerEnv) -> dict:
     if not env.is_primary:
         state.pop("epoch_sums", None)  # counted once, by the primary
     return state
+
+
+def replica_buffers(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """The floating-point buffers (BatchNorm statistics) that differ between replicas until
+    averaged at an epoch's end, of each model under its key prefix ("" and "ema.")."""
+    return {prefix + name: buffer.detach().cpu().clone()
+            for prefix, model in models.items()
+            for name, buffer in model.named_buffers() if buffer.is_floating_point()}
+
+
+def restore_replica_buffers(models: dict[str, nn.Module], saved: dict[str, torch.Tensor]
+                            ) -> None:
+    buffers = {prefix + name: buffer for prefix, model in models.items()
+               for name, buffer in model.named_buffers()}
+    with torch.no_grad():
+        for name, values in saved.items():
+            if name in buffers:  # an EMA's, saved by a run with --model-ema, resumed without
+                buffers[name].copy_(values)
+
+
+def load_ema(ema: ModelEma, state: dict, path: str, required: bool) -> None:
+    """The checkpoint's EMA into `ema`; a checkpoint without one starts it from the weights
+    at the next update, unless the EMA is what was asked for (-e --use-ema)."""
+    if state.get("ema"):
+        ema.load_state_dict(state["ema"])
+    elif required:
+        raise UserError(f"{path} has no EMA weights (it was trained without --model-ema); "
+                        "evaluate it without --use-ema")
+    else:
+        log.info("%s has no EMA weights: the average starts from the weights", path)
 
 
 def _to_bytes(value: dict) -> bytes:

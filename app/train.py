@@ -8,6 +8,8 @@ forward and backward, `sync.finish_step()` waits for the averaged gradients); nu
 on the device and are fetched every print interval, not every step. Both input pipelines are
 opened before the first step, so what they reserve for the run is taken at its start.
 With --accum-steps K an optimizer step takes K batches (app/accumulation.py); steps count those.
+With --model-ema a moving average of the weights (app/ema.py) follows each step, is evaluated
+beside them every epoch, and is part of the state.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from app.data.batch_augment import BatchAugment
 from app.data.pipeline import DeviceBatch
 from app.data.worker_pipelines import build_pipelines
 from app.devices import WorkerEnv
+from app.ema import build_ema
 from app.evaluate import evaluate
 from app.interrupts import NoRequests, Requests
 from app.job import TrainJob
@@ -37,6 +40,7 @@ from app.precision import Precision
 from app.skipped import SkippedLog, check_bad_fraction
 from app.speed import (CompiledForFullBatches, compile_enabled, compiled_graphs,
                        configure_backends)
+from app.tally import Tally
 
 log = logging.getLogger("imagenet_dp")
 
@@ -59,39 +63,6 @@ class Stopped:
 
 
 Outcome = Finished | Stopped
-
-
-class Tally:
-    """Running sums over some steps: loss x images on the device (no sync per step), image
-    counts on the host (known without asking the device)."""
-
-    def __init__(self, device: torch.device):
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.images = 0
-        self.skipped = 0
-
-    def add(self, loss: torch.Tensor | None, images: int, skipped: int) -> None:
-        if loss is not None:
-            self.loss_sum.add_(loss, alpha=images)
-        self.images += images
-        self.skipped += skipped
-
-    def move_into(self, other: "Tally") -> None:
-        other.loss_sum.add_(self.loss_sum)
-        other.images += self.images
-        other.skipped += self.skipped
-        self.loss_sum.zero_()
-        self.images = self.skipped = 0
-
-    def as_tensor(self) -> torch.Tensor:
-        """[loss x images, images, skipped]: one tensor, one reduction across workers."""
-        counts = torch.tensor([self.images, self.skipped], dtype=torch.float64)
-        return torch.cat([self.loss_sum.view(1), counts.to(self.loss_sum.device)])
-
-    def load(self, sums: torch.Tensor) -> None:
-        loss_sum, images, skipped = sums.tolist()
-        self.loss_sum.fill_(loss_sum)
-        self.images, self.skipped = int(images), int(skipped)
 
 
 def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
@@ -130,6 +101,10 @@ class Trainer:
                                          fused=self.scaler is not None)
         self.scheduler = build_scheduler(self.optimizer, config.optim,
                                          self.accumulation.steps_per_epoch, config.train.epochs)
+        self.ema = build_ema(model, config.train.model_ema or config.run.use_ema,
+                             config.train.model_ema_decay, config.train.model_ema_steps,
+                             global_batch, config.train.epochs, config.optim.warmup_epochs,
+                             self.accumulation.steps_per_epoch)
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
         self.criterion = build_criterion(config.model, config.optim.label_smoothing)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
@@ -141,7 +116,7 @@ class Trainer:
         self.skipped = SkippedLog(job.run_dir)
         if env.is_primary and not config.run.evaluate:
             preflight.check_room_for_checkpoints(job, model)
-        self.model = sync.prepare(model)
+        self.model = sync.prepare(model, self.ema.module if self.ema else None)
         self.compiling = compile_enabled(config.train.compile, self.precision.device)
         self.compiled_sizes: set[int] = set()  # train sizes whose first step was reported
         if self.compiling:  # after prepare: torch.compile wraps DDP, not the other way round
@@ -158,11 +133,11 @@ class Trainer:
             "model": bare.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else {},
+            "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.position.epoch, "epoch_step": self.position.epoch_step,
             "step": self.position.step, "best_top1": self.best_top1,
             "epoch_sums": self.epoch_sums.as_tensor(),  # this worker's share
-            "replica": {"buffers": {name: b.detach().cpu().clone()
-                                    for name, b in bare.named_buffers() if b.is_floating_point()},
+            "replica": {"buffers": run_state.replica_buffers(self.replica_models()),
                         "rng": checkpoint.rng_states(self.precision.device)},
         }
 
@@ -177,13 +152,19 @@ class Trainer:
         self.best_top1 = state["best_top1"]
         if "epoch_sums" in state:
             self.epoch_sums.load(state["epoch_sums"])
+        if self.ema:
+            run_state.load_ema(self.ema, state, self.job.resume_from, self.job.config.run.use_ema)
         replica = state.get("replica")
         if replica:
-            buffers = dict(checkpoint.unwrap(self.model).named_buffers())
-            with torch.no_grad():
-                for name, values in replica["buffers"].items():
-                    buffers[name].copy_(values)
+            run_state.restore_replica_buffers(self.replica_models(), replica["buffers"])
             checkpoint.set_rng_states(replica["rng"], self.precision.device)
+
+    def replica_models(self) -> dict[str, torch.nn.Module]:
+        """The models whose BatchNorm statistics each replica keeps, by key prefix."""
+        models = {"": checkpoint.unwrap(self.model)}
+        if self.ema:
+            models["ema."] = self.ema.module
+        return models
 
     def save(self, top1: float | None = None) -> Path | None:
         """Collective: every worker calls it at the same step. Returns the checkpoint's path
@@ -237,6 +218,8 @@ class Trainer:
                 continue
             self.position.step += 1
             self.position.epoch_step += 1
+            if self.ema:
+                self.ema.after_step(self.position.epoch_step - 1, self.position.step)
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
                 now = time.perf_counter()
                 self.log_interval(lr, now - tick, now - started)
@@ -316,13 +299,17 @@ class Trainer:
         loss_sum, images, skipped = self.sync.sum_across_workers(
             self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
         self.epoch_sums = Tally(self.precision.device)
-        self.sync.average_buffers(self.model)
+        for model in self.replica_models().values():
+            self.sync.average_buffers(model)
         val = self.evaluate()
+        if self.ema:  # the same images: their counts and skips are the raw pass's
+            ema = self.evaluate(self.ema.module, record_skipped=False)
+            val |= {f"val_ema/{key}": ema[f"val/{key}"] for key in ("top1", "top5", "loss")}
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
                    "train/images": int(images), "train/skipped": int(skipped),
                    "train/image_size": self.image_size(self.position.epoch - 1), **val}
-        path = self.save(top1=metrics["val/top1"])
+        path = self.save(top1=self.best_of(metrics))
         metrics["epoch/time_s"] = time.perf_counter() - started
         self.logger.log_metrics(self.position.step, metrics)
         every = self.job.config.logging.save_weights_every
@@ -332,14 +319,29 @@ class Trainer:
         check_bad_fraction(metrics, self.job.config.data.max_bad_fraction, self.job.run_dir)
         return metrics
 
-    def evaluate(self) -> dict:
+    def best_of(self, metrics: dict) -> float:
+        """The top-1 that decides best.pt: the better of the raw and the EMA weights."""
+        top1, ema_top1 = metrics["val/top1"], metrics.get("val_ema/top1", float("nan"))
+        if ema_top1 > top1:  # False for NaN: no EMA, or no val image
+            if self.env.is_primary and ema_top1 > self.best_top1:
+                log.info("epoch %d: the EMA weights rate best (top-1 %.4f, raw %.4f); best.pt "
+                         "ranks by them", self.position.epoch, ema_top1, top1)
+            return ema_top1
+        return top1
+
+    def evaluate(self, model: torch.nn.Module | None = None, record_skipped: bool = True
+                 ) -> dict:
+        """The val metrics of the trained model, or of `model` (the EMA's)."""
         epoch = self.position.epoch + 1  # the epoch this evaluation ends
-        return evaluate(self.model, self.val_data.epoch(0), self.precision, self.sync,
-                        on_skipped=lambda images: self.skipped.add(epoch, "val", images),
+        return evaluate(model or self.model, self.val_data.epoch(0), self.precision, self.sync,
+                        on_skipped=(lambda images: self.skipped.add(epoch, "val", images))
+                        if record_skipped else None,
                         flip_tta=self.job.config.augment.val_flip_tta)
 
     def evaluate_and_log(self) -> dict:
-        metrics = self.evaluate()
+        if self.job.config.run.use_ema:
+            log.info("evaluating the EMA weights of %s", self.job.resume_from)
+        metrics = self.evaluate(self.ema.module if self.job.config.run.use_ema else None)
         self.logger.log_metrics(self.position.step, {"epoch": self.position.epoch, **metrics})
         return metrics
 

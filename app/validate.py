@@ -40,6 +40,9 @@ def driver_args(model: str, spec: ModelSpec) -> list[str]:
 def main(model: str, extra: list[str]) -> int:
     """`extra`: the driver's flags (--dataset, --catalog, --val-flip-tta, --devices, -b, -j,
     --run-name, --output-dir, ...). Prints the result as one line at the end."""
+    if "--use-ema" in extra:  # the driver's EMA is a run's state; --pretrained takes weights
+        raise UserError("validate.py rates a checkpoint's trained weights; for its EMA weights "
+                        "export them (bin/export.py CHECKPOINT DIR --ema) and validate DIR")
     spec = saved_weights.read(model).spec
     if spec is None:
         raise UserError(f"{model} is a plain state dict: it does not say which model it is; "

@@ -1,16 +1,16 @@
 """One training worker, assembled in its own process: connect to the peers, build the loggers
 (the primary only), train, say goodbye. The launcher (app/parallel/launcher.py) starts it;
-torchrun starts it directly."""
+torchrun or srun starts it directly."""
 
 from __future__ import annotations
 
 import sys
 
-from app.devices import TorchrunEnv, WorkerEnv, use_device
+from app.devices import LaunchEnv, WorkerEnv, use_device
 from app.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
 from app.job import TrainJob
 from app.loggers import NullLogger, build_loggers
-from app.parallel.plans import SyncPlan, torchrun_plan
+from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
 from app.train import Stopped, train_worker
 
@@ -20,7 +20,7 @@ def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
     """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
     use_device(env.device, cpu_workers)
     sync = plan.connect(env)
-    # Without a driver above the workers (one process, torchrun), each process listens for
+    # Without a driver above the workers (one process, torchrun, srun), each process listens for
     # signals itself and the workers agree every step.
     own = None if plan.requests else AgreedRequests(sync, env.world_size,
                                                     job.config.run.checkpoint_interval)
@@ -37,13 +37,14 @@ def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
     return PREEMPTED_EXIT_CODE if isinstance(outcome, Stopped) else 0
 
 
-def torchrun_process(job: TrainJob, torchrun: TorchrunEnv, device: str) -> int:
-    """Under torchrun this process is one worker; torchrun watches the processes (and with
-    --max-restarts starts them all again when one fails)."""
-    env = WorkerEnv(rank=torchrun.rank, world_size=torchrun.world_size, device=device)
+def launched_process(job: TrainJob, launch: LaunchEnv, device: str) -> int:
+    """Under torchrun or srun this process is one worker; the launcher watches the processes
+    (torchrun --max-restarts starts them all again when one fails; Slurm ends the step)."""
+    env = WorkerEnv(rank=launch.rank, world_size=launch.world_size, device=device)
     try:
-        return train_process(job, env, torchrun_plan(device, job.config.parallel),
-                             cpu_workers=torchrun.local_world_size)
-    except SyncFailure as failure:  # torchrun names the rank that died; this one only lost it
+        return train_process(job, env, launched_plan(device, job.config.parallel,
+                                                     launch.init_method),
+                             cpu_workers=launch.local_world_size)
+    except SyncFailure as failure:  # the launcher names the rank that died; this one lost it
         print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
         return 1

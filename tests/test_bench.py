@@ -22,7 +22,8 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     report = tmp_path / "model.json"
     result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
                    "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--sizes", "32,64",
-                   "--optimizers", "sgd,lars", "--clip-grad-norm", "1", "--json", str(report))
+                   "--optimizers", "sgd,lars", "--clip-grad-norm", "1", "--model-ema-steps", "2",
+                   "--json", str(report))
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
     rows = data["results"]
@@ -36,6 +37,9 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
         "ours without compile + sgd", "ours without compile + lars",
         "ours without compile + sgd, clip 1", "ours without compile + lars, clip 1"]
     assert all(r["step_vs_plain"] == r["step_ms"] / rows[0]["step_ms"] for r in optimizers)
+    ema = data["ema"]
+    assert ema["label"] == "ours without compile + EMA every 2"
+    assert ema["step_vs_plain"] == ema["step_ms"] / rows[0]["step_ms"]
     assert [r["label"] for r in rows] == ["ours without compile", "pytorch/examples: fp32, NCHW"]
     assert all(r["images_per_s"] > 0 for r in rows)
     assert rows[-1]["ratio_to_peer"] == 1.0

@@ -4,7 +4,7 @@ import pytest
 
 from app.cli import run_cli
 from app.run import main
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, write_catalog
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 
 
 def fail(capsys, *argv) -> str:

@@ -129,21 +129,26 @@ class SyncDebugWindow:
     pytest.param("off", "fp16", (), id="off-fp16"),  # fp16: fused step
     pytest.param("off", "bf16", ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
                                  "--random-erase", "0.5", "--label-smoothing", "0.1"),
-                 id="off-bf16-batch-augment")])  # their random numbers are drawn on the host
+                 id="off-bf16-batch-augment"),  # their random numbers are drawn on the host
+    pytest.param("off", "bf16", ("--model-ema", "--model-ema-steps", "2", "--optimizer", "lars",
+                                 "--clip-grad-norm", "1.0"), id="off-bf16-ema-lars-clip"),
+    pytest.param("off", "bf16", ("--optimizer", "lamb", "--bce-loss", "--accum-steps", "2"),
+                 id="off-bf16-lamb-bce-accumulation")])
 def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp, augment):
     config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "-b", "16", "-j", "2", "-p", "1000",
                               "--device", "cuda:0", "--compile", compile_setting, "--amp", amp,
                               *augment, "--output-dir", str(tmp_path), "--run-name", "nosync"])
     job = prepare_job(config)
     write_run_folder(job)
-    window = SyncDebugWindow(start=2, stop=18)  # 20 steps per epoch
+    steps = 20 // config.train.accum_steps  # 20 batches per epoch
+    window = SyncDebugWindow(start=2, stop=steps - 2)
     trainer = Trainer(job, WorkerEnv(device="cuda:0"), LocalSync(), requests=window)
     try:
         assert not trainer.train_epoch()  # stopped by the window, not by an error
     finally:
         torch.cuda.set_sync_debug_mode("default")
         trainer.close()
-    assert window.checked == 16 and trainer.position.step == 18
+    assert window.checked == steps - 4 and trainer.position.step == steps - 2
 
 
 @pytest.mark.gpu

@@ -172,3 +172,13 @@ def test_console_prints_progress_with_eta_and_an_epoch_summary():
         "epoch 2/3 [8/40]  loss 1.2346  lr 0.05  512 img/s  eta 01:20",
         "epoch 2/3  train loss 1.1000  val top-1 0.5000  top-5 0.9000  loss 1.4000  "
         "time 101.0s  skipped 3 images"]
+
+
+def test_the_epoch_summary_shows_the_emas_accuracy_beside_the_weights():
+    stream = io.StringIO()
+    ConsoleLogger(epochs=3, stream=stream).log_metrics(40, {
+        "epoch": 3, "val/top1": 0.5, "val/top5": 0.9, "val/loss": 1.4, "val_ema/top1": 0.55,
+        "val_ema/top5": 0.95, "val_ema/loss": 1.3})
+    assert stream.getvalue().splitlines() == [
+        "epoch 3/3  val top-1 0.5000  top-5 0.9000  loss 1.4000  EMA top-1 0.5500  "
+        "top-5 0.9500  skipped 0 images"]

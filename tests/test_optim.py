@@ -52,6 +52,22 @@ def test_warmup_then_cosine():
     assert all(a >= b for a, b in zip(factors, factors[1:]))
 
 
+def test_poly_schedule_is_mlperfs_polynomial_decay_to_the_end_lr():
+    """MLPerf's LARS schedule after its warmup: end + (base - end) x (1 - t / D)^2 with D the
+    steps after the warmup plus one; torch's PolynomialLR computes the (base - end) part."""
+    model = torch.nn.Linear(4, 2)
+    config = OptimConfig(optimizer="lars", schedule="poly", lr=0.1, warmup_epochs=1,
+                         lr_min=1e-3)
+    ours = build_scheduler(build_optimizer(model, config, 256), config, 10, epochs=5)
+    reference_optimizer = torch.optim.SGD(model.parameters(), lr=0.1 - 1e-3)
+    reference = torch.optim.lr_scheduler.PolynomialLR(reference_optimizer, total_iters=41,
+                                                      power=2.0)
+    seen = lrs(ours, 50)
+    assert seen[:10] == pytest.approx([0.1 * (s + 1) / 10 for s in range(10)])  # the warmup
+    assert seen[10:] == pytest.approx([1e-3 + lr for lr in lrs(reference, 40)], rel=1e-9)
+    assert seen[10] == pytest.approx(0.1) and seen[-1] < 2e-3
+
+
 def test_step_schedule():
     schedule = WarmupSchedule(OptimConfig(schedule="step", warmup_epochs=0, step_epochs=3,
                                           step_gamma=0.1), steps_per_epoch=5, epochs=9)

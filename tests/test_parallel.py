@@ -65,6 +65,33 @@ def test_two_workers_match_one_worker_with_twice_the_batch(one_worker_reference,
     assert moved == pytest.approx(1.0)  # sanity: the metric is not trivially zero
 
 
+# Issue 20's recipe parts together: the average's weights are compared across replicas after
+# every step (--check-every 1) like the model's.
+RECIPE = ("--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.99",
+          "--optimizer", "lars", "--clip-grad-norm", "0.5")
+
+
+@pytest.fixture(scope="module")
+def one_worker_recipe_reference(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("recipe")
+    result = run_driver(*CATALOG, *EXACT, *RECIPE, "-b", "10", "--run-name", "one", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return weights(cwd / "runs" / "one")
+
+
+@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+def test_two_workers_match_one_with_the_average_lars_and_clipping(one_worker_recipe_reference,
+                                                                  tmp_path, sync):
+    result = run_driver(*CATALOG, *EXACT, *RECIPE, "-b", "5", "--devices", "cpu,cpu",
+                        "--sync", sync, "--run-name", "two", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    two, one = weights(tmp_path / "runs" / "two"), one_worker_recipe_reference
+    assert two["ema"]["updates"] == one["ema"]["updates"] == 8  # epoch steps 0, 2, ..., 14
+    assert relative_difference(one["model"], two["model"]) < 1e-9
+    assert relative_difference(one["ema"]["model"], two["ema"]["model"]) < 1e-9
+    assert relative_difference(one["model"], one["ema"]["model"]) > 1e-5  # it averages
+
+
 def test_four_ps_workers_train_a_resnet50_under_a_low_open_file_limit(tmp_path):
     """resnet50's state_dict has 320 entries. Shared entry by entry, worker 0's weights and
     their broadcast to 4 workers needed over a thousand descriptors at once: the run died

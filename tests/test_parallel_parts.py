@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.devices import TorchrunEnv, worker_devices
+from app.devices import LaunchEnv, worker_devices
 from app.errors import UserError
 from app.models import create_model
 from app.parallel import compare_checksums, weights_checksum
@@ -93,11 +93,11 @@ def test_syncgrads_averages_weighted_by_images_and_answers_everyone():
 def test_syncgrads_stops_the_run_when_replicas_diverge():
     links = links_for(2)
     model = torch.nn.Linear(3, 2)
-    same = weights_checksum(model)
+    same = weights_checksum(list(model.parameters()))
     with torch.no_grad():
         model.bias[1] += 1e-6  # a change float32 can represent
     links.inbox.put(("checksum", 0, 200, same))
-    links.inbox.put(("checksum", 1, 200, weights_checksum(model)))
+    links.inbox.put(("checksum", 1, 200, weights_checksum(list(model.parameters()))))
     with pytest.raises(SyncFailure, match=r"replicas diverged at step 200: worker 1 differs "
                                           r"from worker 0 in 1 of 2 parameter tensors "
                                           r"\(first: bias\)"):
@@ -107,7 +107,7 @@ def test_syncgrads_stops_the_run_when_replicas_diverge():
 
 def test_identical_checksums_pass():
     model = torch.nn.Linear(3, 2)
-    compare_checksums(1, [weights_checksum(model)] * 3, ["weight", "bias"])
+    compare_checksums(1, [weights_checksum(list(model.parameters()))] * 3, ["weight", "bias"])
 
 
 def test_a_wait_notices_a_dead_peer_quickly():
@@ -175,7 +175,7 @@ def test_sync_mode_choice():
     assert choose_sync("auto", ["cpu"], None) == "local"
     assert choose_sync("auto", ["cpu", "cpu"], None) == "ps"
     assert choose_sync("allreduce", ["cpu", "cpu"], None) == "allreduce"
-    torchrun = TorchrunEnv(rank=3, world_size=16, local_rank=3)
+    torchrun = LaunchEnv(rank=3, world_size=16, local_rank=3)
     assert choose_sync("auto", ["cpu"], torchrun) == "allreduce"
     with pytest.raises(UserError, match="under torchrun use --sync allreduce"):
         choose_sync("ps", ["cpu"], torchrun)
@@ -189,6 +189,6 @@ def test_device_lists():
     assert worker_devices(0, [], "cpu") == ["cpu"]
     with pytest.raises(UserError, match="unknown device 'tpu:0'|not supported"):
         worker_devices(0, ["tpu:0"], "auto")
-    assert TorchrunEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == \
-        TorchrunEnv(1, 4, 1)
-    assert TorchrunEnv.from_environ({}) is None
+    assert LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == \
+        LaunchEnv(1, 4, 1)
+    assert LaunchEnv.from_environ({}) is None

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from app import preflight
+from app.ema import ModelEma
 from app.config_sources import make_config, parse_config
 from app.errors import UserError
 from app.models import create_model
@@ -44,16 +45,20 @@ def test_unwritable_output_folder_is_named(tmp_path):
     assert "--output-dir" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_checkpoint_size_estimate_matches_a_saved_checkpoint(optimizer):
+@pytest.mark.parametrize("optimizer, ema", [("sgd", False), ("adamw", False), ("lars", False),
+                                           ("lamb", False), ("sgd", True)])
+def test_checkpoint_size_estimate_matches_a_saved_checkpoint(optimizer, ema):
     config = make_config({("optim", "optimizer"): optimizer})
     model = create_model("resnet18", 10)
     optim = build_optimizer(model, config.optim, global_batch=256)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optim.step()  # creates the optimizer's state tensors
     saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, saved)
-    assert preflight.checkpoint_bytes(model, optimizer) == pytest.approx(saved.tell(), rel=0.02)
+    average = ModelEma(model, decay=0.9).state_dict() if ema else None
+    torch.save({"model": model.state_dict(), "optimizer": optim.state_dict(), "ema": average},
+               saved)
+    assert preflight.checkpoint_bytes(model, optimizer, ema) == pytest.approx(saved.tell(),
+                                                                              rel=0.02)
 
 
 def test_every_listed_local_file_is_checked(tmp_path, tiny_copy, caplog):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from app.config import Config, DataConfig, validate
+from app.config import Config, DataConfig
+from app.config_checks import validate
 from app.config_sources import parse_config
 from app.data.resolution import TrainSizes, resolve
 from app.errors import UserError

@@ -1,14 +1,12 @@
 """End to end: the driver trains the tiny sample, saves checkpoints, resumes exactly."""
 
 import copy
-import json
 import tomllib
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch._dynamo.utils import counters
 
 from app import checkpoint
@@ -24,15 +22,9 @@ from app.speed import compiled_graphs, stage_blocks
 from app.storage import DatasetRoot
 from app.tables import train_cls_list
 from app.data.worker_pipelines import build_pipelines
-from app.train import Finished, Trainer, train_worker
+from app.train import Trainer, train_worker
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows
-
-CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
+from training import CATALOG, HostSyncs, records, straight_and_resumed, train_in_process
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
@@ -104,46 +96,6 @@ def test_resume_auto_continues_the_run(trained_run):
     assert result.returncode == 0, result.stderr
     assert "epoch 5/5" in result.stdout and "epoch 1/5" not in result.stdout
     assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] == 50
-
-
-class StopAfterFirstEpoch(NullLogger):
-    """Stands in for a crash right after the first epoch's checkpoint was written."""
-
-    def log_metrics(self, step, metrics):
-        if "val/top1" in metrics:
-            raise KeyboardInterrupt
-
-
-def train_in_process(tmp_path, *flags):
-    config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "--output-dir", str(tmp_path), *flags])
-    job = prepare_job(config)
-    write_run_folder(job)
-    return job
-
-
-def straight_and_resumed(tmp_path, epochs, steps_per_epoch, *flags):
-    """The last checkpoints of a straight run and of one stopped after its first epoch, then
-    resumed from last.pt."""
-    flags = ("--epochs", str(epochs), *flags)
-    straight = train_in_process(tmp_path, *flags, "--run-name", "straight")
-    outcome = train_worker(straight, WorkerEnv(), LocalSync(), NullLogger())
-    assert isinstance(outcome, Finished) and outcome.metrics["epoch"] == epochs
-
-    interrupted = train_in_process(tmp_path, *flags, "--run-name", "interrupted")
-    with pytest.raises(KeyboardInterrupt):
-        train_worker(interrupted, WorkerEnv(), LocalSync(), StopAfterFirstEpoch())
-    last = tmp_path / "interrupted" / "checkpoints" / "last.pt"
-    assert (checkpoint.load(last)["epoch"], checkpoint.load(last)["step"]) == \
-        (1, steps_per_epoch)
-    resumed = train_in_process(tmp_path, *flags, "--resume", str(last))
-    assert resumed.run_dir == str(tmp_path / "interrupted")  # same run continues
-    train_worker(resumed, WorkerEnv(), LocalSync(), NullLogger())
-
-    a = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt")
-    b = checkpoint.load(last)
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == \
-        (epochs, epochs * steps_per_epoch)
-    return a, b
 
 
 def test_resume_from_last_pt_continues_exactly(tmp_path):
@@ -277,22 +229,6 @@ def test_a_trainers_state_loads_into_a_fresh_trainer(tmp_path):
     fresh.close()
 
 
-class HostSyncs(TorchDispatchMode):
-    """Records every op that hands a tensor's value to the host (`.item()`, `bool(t)`): on a
-    GPU each one waits for the device."""
-
-    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.OPS:
-            self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_fp16_loss_scaling_skips_overflowing_steps_without_asking_the_host(tmp_path):
     job = train_in_process(tmp_path, "--epochs", "1", "--amp", "fp16", "--run-name", "fp16",
                            "--classes", "5")
@@ -385,7 +321,8 @@ def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
 def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path):
     """Each config's own recipe (augmentations, sampler, schedule) for an epoch of 2 classes,
     with the model, sizes and batch made small: no config rots."""
-    progressive = "progressive_start_size" in tomllib.loads(path.read_text()).get("data", {})
+    recipe = tomllib.loads(path.read_text())
+    progressive = "progressive_start_size" in recipe.get("data", {})
     size = (("--progressive-start-size", "32", "--progressive-end-size", "32") if progressive
             else ("--train-crop-size", "32"))
     job = train_in_process(tmp_path, "--config", str(path), "--classes", "2", "--epochs", "1",
@@ -394,6 +331,7 @@ def test_every_shipped_config_trains_on_cpu_with_a_tiny_override(tmp_path, path)
     metrics = train_worker(job, WorkerEnv(), LocalSync(), NullLogger()).metrics
     assert metrics["epoch"] == 1 and metrics["train/images"] > 0
     assert metrics["val/images"] == 20 and metrics["train/image_size"] == 32
+    assert ("val_ema/top1" in metrics) == recipe.get("train", {}).get("model_ema", False)
 
 
 def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path):

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "training builds them), e.g. sgd,lars,lamb")
     model.add_argument("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: "
                        "also clip the gradients to this norm (another row each)")
+    model.add_argument("--model-ema-steps", type=int, default=0, help="also measure our first "
+                       "setting's step with the weights' EMA updated every N steps (32: "
+                       "torchvision's recipe)")
     model.add_argument("--sizes", default="", help="also measure our first setting at these "
                        "comma-separated image sizes (e.g. 160,192,224: what progressive "
                        "resizing buys), each against the largest")
@@ -163,7 +166,8 @@ def main(argv: list[str]) -> int:
                            args.steps, args.warmup, settings,
                            augment if augment != AugmentConfig() else None,
                            [int(size) for size in args.sizes.split(",") if size],
-                           recipe_optimizers(args.optimizers, args.clip_grad_norm))
+                           recipe_optimizers(args.optimizers, args.clip_grad_norm),
+                           args.model_ema_steps)
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),

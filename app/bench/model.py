@@ -3,7 +3,9 @@ step, so neither the input pipeline nor the gradient sync counts. Our settings (
 channels_last, torch.compile on CUDA) beside the peer's numerics (pytorch/examples imagenet:
 fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Given batch augmentations
 (random erasing, mixup/cutmix), our settings are measured again with them before the forward,
-and the augmentations alone are timed: their cost per step beside a plain step."""
+and the augmentations alone are timed: their cost per step beside a plain step. A recipe's
+optimizer (LARS, LAMB), clipping and the EMA update are measured the same way, each beside the
+plain step of the same run."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from app.config import AugmentConfig, OptimConfig
 from app.data.batch_augment import BatchAugment
+from app.ema import ModelEma
 from app.models import create_model
 from app.optim import build_optimizer, clip_gradients
 from app.precision import Precision
@@ -36,9 +39,10 @@ PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 
 def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, device: str,
             steps: int, warmup: int, augment: BatchAugment | None = None,
-            optim: OptimConfig | None = None) -> dict:
+            optim: OptimConfig | None = None, ema_every: int = 0) -> dict:
     """Images/s over `steps` timed steps after `warmup` (the first includes compilation);
-    with `augment`, each step augments the batch first, as the Trainer does."""
+    with `augment`, each step augments the batch first, as the Trainer does; with
+    `ema_every`, every that many steps update a moving average of the weights after the step."""
     precision = Precision.from_config(setting.amp, setting.channels_last, device)
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
@@ -54,6 +58,7 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
                          ).contiguous(memory_format=memory_format)
     labels = torch.randint(0, 1000, (batch_size,), device=precision.device)
+    ema = ModelEma(model, decay=0.999, every=ema_every) if ema_every else None
     counter = itertools.count()
     on_cuda = precision.device.type == "cuda"
     if on_cuda:
@@ -61,7 +66,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
 
     def step() -> None:
         # In place on the same tensor every step: the values drift, the work does not.
-        inputs, targets = augment(images, labels, next(counter)) if augment else (images, labels)
+        index = next(counter)
+        inputs, targets = augment(images, labels, index) if augment else (images, labels)
         with precision.autocast():
             loss = torch.nn.functional.cross_entropy(forward(inputs), targets)
         loss.backward()
@@ -69,6 +75,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
             clip_gradients(optimizer, optim.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema:
+            ema.after_step(index, index + 1)
 
     def wait() -> None:
         if on_cuda:
@@ -88,7 +96,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     seconds = time.perf_counter() - started
     label = setting.label + (" + batch augment" if augment else "") + (
         f" + {optim.optimizer}" + (f", clip {optim.clip_grad_norm:g}" if optim.clip_grad_norm
-                                   else "") if optim else "")
+                                   else "") if optim else "") + (
+        f" + EMA every {ema_every}" if ema_every else "")
     return {**asdict(setting), "label": label, "arch": arch, "batch_size": batch_size,
             "image_size": image_size, "device": str(precision.device),
             "images_per_s": batch_size * steps / seconds, "step_ms": 1000 * seconds / steps,
@@ -130,7 +139,8 @@ def by_size(arch: str, setting: ModelSetting, batch_size: int, sizes: list[int],
 
 def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, warmup: int,
         settings: list[ModelSetting], augment: AugmentConfig | None = None,
-        sizes: list[int] | None = None, optimizers: list[OptimConfig] | None = None) -> dict:
+        sizes: list[int] | None = None, optimizers: list[OptimConfig] | None = None,
+        ema_every: int = 0) -> dict:
     results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
                for s in settings]
     report = {"what": "model only", "results": results, "torch": torch.__version__,
@@ -148,6 +158,10 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
                         optim=optim) for optim in optimizers]
         report["optimizers"] = [{**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
                                 for row in rows]
+    if ema_every:  # the step followed by the EMA's update every `ema_every` steps
+        row = measure(arch, settings[0], batch_size, image_size, device, steps, warmup,
+                      ema_every=ema_every)
+        report["ema"] = {**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
     if sizes:
         report["sizes"] = {"setting": settings[0].label,
                            "results": by_size(arch, settings[0], batch_size, sizes, device,
@@ -173,7 +187,7 @@ def format_report(report: dict) -> str:
                      f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
                      f"{extra['ms_per_step']:.2f} ms per batch, "
                      f"{100 * extra['share_of_plain_step']:.1f}% of the first setting's step")
-    for row in report.get("optimizers", []):
+    for row in report.get("optimizers", []) + ([report["ema"]] if "ema" in report else []):
         lines.append(f"{row['label']:<40}{row['images_per_s']:>10.1f}  step "
                      f"{row['step_ms']:.1f} ms = {row['step_vs_plain']:.3f}x the first setting's")
     sizes = report.get("sizes")

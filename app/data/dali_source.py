@@ -23,6 +23,7 @@ from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
+from app.interrupts import ignore_stop_signals
 from app.storage import DatasetRoot
 
 JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
@@ -75,6 +76,12 @@ class BatchSource:
         self.slots = recipe.policy().slots
         self.batches = batches
         self.first_epoch, self.first_step = first_epoch, first_step
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in one of DALI's reader processes (spawned): those must outlive the stop
+        signals Slurm sends to every process of a job step, until their worker has saved."""
+        self.__dict__.update(state)
+        ignore_stop_signals()
 
     @functools.lru_cache(maxsize=2)  # each call is pure; the permutation costs ~20 ms
     def order(self, epoch: int) -> np.ndarray:

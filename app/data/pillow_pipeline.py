@@ -29,6 +29,7 @@ from app.data.pillow_ops import apply_ops
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
+from app.interrupts import ignore_stop_signals
 from app.storage import DatasetRoot
 
 READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
@@ -153,7 +154,8 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
     return DataLoader(ImageDataset(root, frame, recipe),
                       batch_sampler=ReadAhead(batches, workers), num_workers=workers,
                       collate_fn=collate, pin_memory=pin_memory,
-                      persistent_workers=workers > 0, multiprocessing_context=context)
+                      persistent_workers=workers > 0, multiprocessing_context=context,
+                      worker_init_fn=ignore_stop_signals)
 
 
 class PillowPipeline:

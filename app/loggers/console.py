@@ -58,6 +58,8 @@ def epoch_summary(m: dict[str, Any], epochs: int) -> str:
         parts.append(f"train loss {m['train/epoch_loss']:.4f}")
     parts.append(f"val top-1 {m['val/top1']:.4f}  top-5 {m['val/top5']:.4f}  "
                  f"loss {m['val/loss']:.4f}")
+    if "val_ema/top1" in m:
+        parts.append(f"EMA top-1 {m['val_ema/top1']:.4f}  top-5 {m['val_ema/top5']:.4f}")
     if "epoch/time_s" in m:
         parts.append(f"time {m['epoch/time_s']:.1f}s")
     skipped = m.get("train/skipped", 0) + m.get("val/skipped", 0)

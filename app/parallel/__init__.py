@@ -29,8 +29,10 @@ from app.parallel.watch import SyncFailure
 
 
 class GradientSync(Protocol):
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """Make replicas identical before the first step; returns the module to train."""
+    def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
+        """Make replicas identical before the first step; returns the module to train.
+        `ema`: a model that follows it (the weights' moving average), whose parameters the
+        replica checks compare too."""
 
     def step(self, weight: int, last: bool = True) -> contextlib.AbstractContextManager[float]:
         """Wraps forward + backward of one micro-batch (`last`: the optimizer step's last, which
@@ -94,7 +96,7 @@ class LocalSync:
         self.images = StepImages()
         self.params: list[torch.Tensor] = []
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
         self.params = list(model.parameters())
         return model
 
@@ -125,10 +127,20 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
-def weights_checksum(model: nn.Module) -> np.ndarray:
+def checked_parameters(model: nn.Module, ema: nn.Module | None = None
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """The tensors replicas must hold bit-identically, by name: the model's parameters and
+    those of its moving average (`ema.<name>`)."""
+    named = list(model.named_parameters())
+    if ema is not None:
+        named += [(f"ema.{name}", param) for name, param in ema.named_parameters()]
+    return named
+
+
+def weights_checksum(tensors: list[torch.Tensor]) -> np.ndarray:
     """Per-tensor sum and sum of squares in float64: cheap, and any drift shows. A numpy array,
     so it can travel between processes by value."""
-    params = [p.detach().double() for p in model.parameters()]
+    params = [t.detach().double() for t in tensors]
     return torch.stack([torch.stack([p.sum(), p.square().sum()]) for p in params]).cpu().numpy()
 
 

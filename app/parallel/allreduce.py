@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from app.devices import WorkerEnv
-from app.parallel import (StepImages, compare_checksums, float_buffers, scale_grads,
-                          weights_checksum)
+from app.parallel import (StepImages, checked_parameters, compare_checksums, float_buffers,
+                          scale_grads, weights_checksum)
 from app.parallel.rounds import round_store
 
 
@@ -69,7 +69,8 @@ class AllReduceSync:
         self.someone_empty = False
         self.step_index = 0
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
+        self.checked = checked_parameters(model, ema)
         # DDP broadcasts rank 0's parameters and buffers here, so replicas start identical.
         # broadcast_buffers=False: BatchNorm statistics are averaged explicitly before
         # evaluation and saving (and rank-0-only evaluation cannot hang on a broadcast).
@@ -135,9 +136,9 @@ class AllReduceSync:
 
     def check_replicas(self) -> None:
         """DDP keeps replicas identical by construction; this checks that it did."""
-        model = self.ddp.module
-        compare_checksums(self.step_index, self.gather(weights_checksum(model)),
-                          [name for name, _ in model.named_parameters()])
+        compare_checksums(self.step_index,
+                          self.gather(weights_checksum([t for _, t in self.checked])),
+                          [name for name, _ in self.checked])
 
     def close(self) -> None:
         self.check_replicas()

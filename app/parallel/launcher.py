@@ -3,8 +3,9 @@ and watches them.
 
 The driver spawns every process (spawn, not fork: fork breaks CUDA and s3fs) and then only
 watches: if any process dies, all others are stopped within seconds and the driver exits
-non-zero naming the process and how it ended. SIGINT/SIGTERM to the driver ask the workers to
-save and stop. What runs inside a worker is the caller's `target` (app/worker.py for training).
+non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 to the driver ask the
+workers to save and stop. What runs inside a worker is the caller's `target` (app/worker.py
+for training).
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 
 
 def child_entry(name: str, target: Callable, args: tuple, reports: Queue) -> None:
-    """Wraps every child: dies with the driver, leaves Ctrl-C to the driver, and reports why
+    """Wraps every child: dies with the driver, leaves Ctrl-C and SIGUSR1 to the driver (a
+    terminal and Slurm's --signal reach every process, not only the driver), and reports why
     it failed before exiting non-zero."""
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         code = target(*args)
@@ -112,8 +115,8 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
 
 
 class StopSignals:
-    """Turns SIGINT/SIGTERM into a flag the supervising loop acts on at once: the handler also
-    writes to a pipe that the loop waits on beside the children."""
+    """Turns SIGINT/SIGTERM/SIGUSR1 into a flag the supervising loop acts on at once: the
+    handler also writes to a pipe that the loop waits on beside the children."""
 
     def __init__(self):
         self.received: int | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from app.config import ParallelConfig
-from app.devices import TorchrunEnv, WorkerEnv
+from app.devices import LaunchEnv, WorkerEnv
 from app.errors import UserError
 from app.interrupts import SharedRequests
 from app.parallel import GradientSync, LocalSync
@@ -49,7 +49,7 @@ class PsPlan:
 
 @dataclass(frozen=True)
 class AllReducePlan:
-    init_method: str  # tcp://127.0.0.1:PORT from the driver, env:// under torchrun
+    init_method: str  # tcp://HOST:PORT from the driver or srun, env:// under torchrun
     backend: str
     config: ParallelConfig
     requests: SharedRequests | None = None
@@ -107,23 +107,24 @@ SYNC_MODES: dict[str, SyncMode] = {
 }
 
 
-def choose_sync(requested: str, devices: list[str], torchrun: TorchrunEnv | None) -> str:
+def choose_sync(requested: str, devices: list[str], launch: LaunchEnv | None) -> str:
     """The mode to run: `auto` is the parameter server on one machine, all-reduce under
-    torchrun, and no sync at all for a single worker."""
+    torchrun or srun, and no sync at all for a single worker."""
     if requested != "auto" and requested not in SYNC_MODES:
         raise UserError(f"unknown --sync mode '{requested}'; known: auto, "
                         f"{', '.join(m for m in SYNC_MODES if m != 'local')}")
-    if torchrun:
+    if launch:
         if requested not in ("auto", "allreduce"):
-            raise UserError(f"--sync {requested} runs on one machine; under torchrun use "
-                            "--sync allreduce")
+            raise UserError(f"--sync {requested} runs on one machine; under {launch.launcher} "
+                            "use --sync allreduce")
         return "allreduce"
     if len(devices) == 1:
         return "local"
     return "ps" if requested == "auto" else requested
 
 
-def torchrun_plan(device: str, config: ParallelConfig) -> AllReducePlan:
-    """Under torchrun the process group comes from torchrun's environment (env://)."""
+def launched_plan(device: str, config: ParallelConfig, init_method: str) -> AllReducePlan:
+    """Under torchrun the process group comes from torchrun's environment (env://); under
+    srun from task 0's address (tcp://), which every task derived from Slurm's variables."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    return AllReducePlan("env://", backend, config)
+    return AllReducePlan(init_method, backend, config)

@@ -48,7 +48,7 @@ class Registration:
     grads: list[torch.Tensor]  # this worker's gradient buckets, mapped into the server
     inbox: list[torch.Tensor]  # where the server writes this worker's averages
     events: Any  # what handover.server_signals needs from this worker (None on CPU)
-    names: list[str]  # parameter names, for messages about diverged replicas
+    names: list[str]  # names of the checked tensors, for messages about diverged replicas
     state: PackedTensors | None  # worker 0's initial weights, one shared buffer
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from app.devices import WorkerEnv
-from app.parallel import StepImages, float_buffers, weights_checksum
+from app.parallel import StepImages, checked_parameters, float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
 from app.parallel.messages import post
@@ -37,9 +37,10 @@ class ParameterServerSync:
         self.handed_over: set[int] = set()
         self.signals = signals
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
         """Register our gradient buckets, then take the server's initial weights."""
         self.model = model
+        self.checked = checked_parameters(model, ema)
         self.params = list(model.parameters())
         self.layout = BucketLayout.for_params(self.params, self.bucket_mb)
         # Each side of the exchange is one flat buffer: one descriptor (or CUDA IPC handle)
@@ -48,7 +49,7 @@ class ParameterServerSync:
         self.buckets, self.inbox = self.layout.views(grads), self.layout.views(inbox)
         self.signals = self.signals or worker_signals(torch.device(self.env.device),
                                                       len(self.layout))
-        names = [name for name, _ in model.named_parameters()]
+        names = [name for name, _ in self.checked]
         # Worker 0's weights (a restored checkpoint included) are what the server broadcasts,
         # packed into one buffer for the same reason.
         state = PackedTensors.of(model.state_dict()) if self.env.rank == 0 else None
@@ -98,7 +99,7 @@ class ParameterServerSync:
     def send_checksum(self) -> None:
         """The weights after `step_index` updates; the server compares them across workers
         without making anybody wait."""
-        self.send(("checksum", self.env.rank, self.step_index, weights_checksum(self.model)))
+        self.send(("checksum", self.env.rank, self.step_index, weights_checksum([t for _, t in self.checked])))
 
     def reduce(self, op: str, payload: Any) -> Any:
         key = self.reduce_index
