@@ -37,7 +37,7 @@ def run_export(*args, cwd):
 def trained(tmp_path_factory):
     """(run folder, its last.pt, the export of last.pt with model.onnx)."""
     cwd = tmp_path_factory.mktemp("export")
-    run = train_tiny(cwd)
+    run = train_tiny(cwd, "source", 2, "--model-ema", "--model-ema-steps", "1")
     last = run / "checkpoints" / "last.pt"
     result = run_export(last, "exported", "--onnx", cwd=cwd)
     assert result.returncode == 0, result.stderr
@@ -127,10 +127,34 @@ def test_ema_exports_the_ema_weights(trained, tmp_path):
 
 def test_ema_of_a_checkpoint_without_it_exits_2(trained, tmp_path):
     _, last, _ = trained
-    result = run_export(last, tmp_path / "out", "--ema", cwd=tmp_path)
+    state = checkpoint.load(last)
+    del state["ema"]
+    checkpoint.save(tmp_path / "plain.pt", state)
+    result = run_export(tmp_path / "plain.pt", tmp_path / "out", "--ema", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == f"error: {last} has no EMA weights (trained without --model-ema)\n"
+    assert result.stderr == (f"error: {tmp_path / 'plain.pt'} has no EMA weights (trained "
+                             "without --model-ema)\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_ema_export_of_a_run_with_ema_validates_as_the_runs_ema(trained, tmp_path):
+    """A real --model-ema run: --ema exports ckpt["ema"]["model"], and validate.py rates it
+    as the run rated its EMA (val_ema/*)."""
+    run, last, _ = trained
+    ema = checkpoint.load(last)["ema"]
+    assert ema["updates"] > 0
+    export(str(last), tmp_path / "ema", ema=True)
+    weights = load_file(tmp_path / "ema" / "model.safetensors")
+    assert all(torch.equal(weights[k], ema["model"][k]) for k in ema["model"])
+    result = subprocess.run([sys.executable, str(REPO / "bin" / "validate.py"),
+                             str(tmp_path / "ema"), *CATALOG, "-j", "0", "--run-name", "v",
+                             "--output-dir", str(tmp_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    evaluated = epoch_records(run)[-1]
+    assert evaluated["val_ema/top1"] != evaluated["val/top1"]  # else this proves nothing
+    assert f"top-1 {evaluated['val_ema/top1']:.4f}  top-5 {evaluated['val_ema/top5']:.4f}" \
+        in result.stdout.splitlines()[-1]
 
 
 def test_a_small_variant_exports_for_our_tools_and_says_timm_cannot(tmp_path):
