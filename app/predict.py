@@ -10,6 +10,7 @@ A file that cannot be read or decoded is reported and the others are still class
 from __future__ import annotations
 
 import json
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -121,8 +122,9 @@ def load(location: str, transform: Transform) -> torch.Tensor | Failure:
         return transform(locations.read_bytes(location))
     except UserError as error:
         return Failure(location, str(error))
-    except BadImage as error:
-        return Failure(location, f"not an image: {error}")
+    except BadImage as error:  # Pillow names the in-memory file it was given: not useful here
+        return Failure(location, "not an image: " + re.sub(r" <_io\.BytesIO object at \w+>",
+                                                           "", str(error)))
 
 
 def predict(runner: Runner, files: list[str], transform: Transform, k: int = 5,
