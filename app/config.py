@@ -137,6 +137,9 @@ class ModelConfig:
         "BlurPool after each strided convolution (timm's placement; FFCV blurs before it). "
         "timm's ResNets start each block's last BatchNorm at zero (zero_init_last=True)",
         check=(lambda v: all("=" in item for item in v), "must be key=value items"))
+    pretrained: str = param("", "start from these weights (a checkpoint, an export folder, a "
+                            "timm/torchvision state dict .pth or .safetensors; a path or any "
+                            "fsspec URL): a new run, a head of another class count re-initialised")
     # The loss sits here, as issue 20 groups it with the model options of timm's recipes.
     bce_loss: bool = param(False, "timm's BinaryCrossEntropy (its A1-A3 recipes) instead of "
                            "cross-entropy; --label-smoothing and mixup/cutmix targets as "

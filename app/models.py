@@ -21,6 +21,7 @@ from timm.layers.blur_pool import _normalize_aa_layer
 from timm.models.resnet import ResNet
 
 from app.errors import UserError
+from app.pretrained import load_pretrained
 
 if TYPE_CHECKING:
     from app.config import ModelConfig
@@ -66,8 +67,14 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def create_model_from_config(config: ModelConfig, num_classes: int) -> nn.Module:
-    return create_model(config.arch, num_classes, config.norm, drop_path=config.drop_path,
-                        model_kwargs=parse_model_kwargs(config.model_kwargs))
+    """The run's model; with --pretrained, loaded from those weights (app/pretrained.py:
+    the driver checked them and reported a re-initialised classifier before any worker
+    started, so here it happens silently, the same on every worker)."""
+    model = create_model(config.arch, num_classes, config.norm, drop_path=config.drop_path,
+                         model_kwargs=parse_model_kwargs(config.model_kwargs))
+    if config.pretrained:
+        load_pretrained(model, config.pretrained)
+    return model
 
 
 def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path: float = 0.0,

@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, launch)
+    if config.model.pretrained:
+        check_pretrained(job, primary=not (launch and launch.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (launch and launch.rank))
     if launch:
@@ -89,6 +91,23 @@ def check_launched(config: Config, launch: LaunchEnv) -> None:
         raise UserError(f"task 0 runs on {socket.gethostname()}, but the tasks meet at {host} "
                         "(the first node of the step): set MASTER_ADDR to task 0's host")
     launch.check_one_device_each(config.parallel.gpus, config.parallel.devices)
+
+
+def check_pretrained(job: TrainJob, primary: bool) -> None:
+    """--pretrained weights that do not fit stop the run here, before any worker starts; a
+    re-initialised classifier is reported once (by the primary), not by every worker."""
+    from app import pretrained  # noqa: PLC0415
+    from app.models import create_model_from_config  # noqa: PLC0415
+    model = create_model_from_config(dataclasses.replace(job.config.model, pretrained=""),
+                                     job.tables.num_classes)
+    warning = pretrained.check(model, job.config.model.pretrained, job.tables.wnids,
+                               job.config.run.evaluate, log.info if primary else print_nothing)
+    if warning and primary:
+        log.warning("%s", warning)
+
+
+def print_nothing(line: str) -> None:
+    """What the other ranks of a launched group report: the primary has said it."""
 
 
 def run_group(job: TrainJob, devices: list[str], mode: str) -> int:

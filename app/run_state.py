@@ -41,6 +41,9 @@ def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: b
     payload = {**{k: v for k, v in state.items() if k != "replica"},
                "epoch_sums": epoch_sums, "replicas": replicas,
                "arch": job.config.model.arch, "num_classes": job.tables.num_classes,
+               # what the class indices mean, for predict and export (no dataset needed)
+               "class_names": list(job.tables.wnids),
+               "class_words": list(job.tables.descriptions),
                "config": job.config.to_dict(), "run_id": job.run_id}
     folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints)
     return folder.save(payload, state["step"], best=best)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from app.config import AugmentConfig, OptimConfig
@@ -19,6 +20,7 @@ EXAMPLES = """examples:
   python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
+  python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
 """
 
@@ -103,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "plain one, per decoder")
     loader.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
                         "loader baseline")
+    guess = commands.add_parser("predict", help="predict images/s: an export's model.onnx in "
+                                "ONNX Runtime vs our PyTorch model, same images")
+    guess.add_argument("model", nargs="?", default="", metavar="EXPORT_DIR",
+                       help="an export folder with model.onnx (or give -a)")
+    guess.add_argument("--images", action="append", required=True,
+                       help="an image or a folder of them; repeat for more")
+    guess.add_argument("-a", "--arch", default="", help="instead of EXPORT_DIR: export a "
+                       "freshly initialised model of this name")
+    guess.add_argument("--image-size", type=int, default=224, help="with -a: the crop size")
+    guess.add_argument("-b", "--batch-size", type=int, default=32)
+    guess.add_argument("--repeats", type=int, default=3, help="passes; the best one counts")
+    guess.add_argument("--limit", type=int, default=0, help="at most this many images")
     check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests, what "
                                 "each DALI pipeline reserves and a throughput probe, one JSON "
                                 "report")
@@ -119,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
                        help="the generated sample they read (bench: ImageNet-sized images; "
                        "the first batch's memory depends on it, the build's does not)")
-    for sub in (e2e, model, sync, compiling, loader):
+    for sub in (e2e, model, sync, compiling, loader, guess):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -174,6 +188,13 @@ def main(argv: list[str]) -> int:
                            args.workers, args.batches, tuple(args.readers.split(",")),
                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
                            tuple(filter(None, args.auto_augment.split(","))))
+    elif args.command == "predict":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bin/predict.py: before torch
+        from app.bench import predict as bench  # noqa: PLC0415
+        if bool(args.model) == bool(args.arch):
+            build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
+        report = bench.run(args.model, args.arch, args.image_size, args.images,
+                           args.batch_size, args.repeats, args.limit)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,

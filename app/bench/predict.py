@@ -1,0 +1,89 @@
+"""Predict throughput: an export's model.onnx in ONNX Runtime beside our PyTorch model, on the
+same images with the same transform and batches (bin/predict.py's code for both): images/s
+end to end (read, decode, transform, model) and for the model alone (the same preprocessed
+batches), best of a few passes, with how far their logits and top-1 classes agree.
+
+MODEL is an export folder with model.onnx, or `-a ARCH` exports a freshly initialised model
+(seed 0) to a temporary folder: speed does not depend on the weights.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from app import locations
+from app.export import export_model
+from app.model_files import LoadedModel, build, open_model
+from app.predict import OnnxRunner, Runner, TorchRunner, Transform, image_files, predict
+from app.saved_weights import ModelSpec
+
+
+def best_seconds(work: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def fresh_model(arch: str, image_size: int) -> LoadedModel:
+    torch.manual_seed(0)
+    spec = ModelSpec(arch, 1000, crop=image_size)
+    return LoadedModel(build(spec).eval(), spec, f"a fresh {arch}", "checkpoint")
+
+
+def run(model: str, arch: str, image_size: int, images: list[str], batch_size: int,
+        repeats: int, limit: int = 0) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        if arch:
+            export_model(fresh_model(arch, image_size), folder, onnx=True, report=lambda _: None)
+            model = folder
+        loaded = open_model(model)
+        files, failures = image_files(images)
+        files = files[:limit] if limit else files
+        transform = Transform.of(loaded)
+        batches = [torch.stack([transform(locations.read_bytes(f))
+                                for f in files[i:i + batch_size]])
+                   for i in range(0, len(files), batch_size)]
+        runners: dict[str, Runner] = {"pytorch": TorchRunner(loaded, "cpu"),
+                                      "onnxruntime": OnnxRunner(model)}
+        results, logits = [], {}
+        for name, runner in runners.items():
+            logits[name] = torch.cat([runner(batch) for batch in batches])  # also warms up
+            model_s = best_seconds(lambda: [runner(batch) for batch in batches], repeats)
+            e2e_s = best_seconds(lambda: consume(predict(runner, files, transform, 5,
+                                                         batch_size)), repeats)
+            results.append({"runtime": name, "model_images_per_s": len(files) / model_s,
+                            "e2e_images_per_s": len(files) / e2e_s})
+    return {"arch": loaded.spec.arch, "image_size": loaded.spec.crop, "images": len(files),
+            "skipped": len(failures), "batch_size": batch_size, "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "results": results,
+            "max_logit_difference": float((logits["pytorch"] - logits["onnxruntime"])
+                                          .abs().max()),
+            "top1_agreement": float((logits["pytorch"].argmax(1) ==
+                                     logits["onnxruntime"].argmax(1)).float().mean())}
+
+
+def consume(items: Iterable) -> None:
+    for _ in items:
+        pass
+
+
+def format_report(report: dict) -> str:
+    lines = [f"predict: {report['arch']} at {report['image_size']} px, {report['images']} "
+             f"images, batch {report['batch_size']}, CPU ({report['torch_threads']} torch "
+             f"threads), best of {report['repeats']}",
+             f"{'runtime':<14}{'model img/s':>14}{'end to end img/s':>19}"]
+    base = report["results"][0]
+    for r in report["results"]:
+        ratio = r["model_images_per_s"] / base["model_images_per_s"]
+        lines.append(f"{r['runtime']:<14}{r['model_images_per_s']:>14.1f}"
+                     f"{r['e2e_images_per_s']:>19.1f}   x{ratio:.2f} (model)")
+    lines.append(f"logits differ by at most {report['max_logit_difference']:.2e}; top-1 "
+                 f"agrees on {report['top1_agreement']:.1%} of the images")
+    return "\n".join(lines)
