@@ -115,8 +115,10 @@ def test_best_pt_follows_the_better_of_the_raw_and_the_average(caplog):
 EMA_FLAGS = ("--model-ema", "--model-ema-steps", "3", "--model-ema-decay", "0.995")
 
 
-def test_resume_with_the_average_and_lamb_continues_exactly(tmp_path):
-    a, b = straight_and_resumed(tmp_path, 2, 10, *EMA_FLAGS, "--optimizer", "lamb",
+@pytest.mark.parametrize("optimizer", ["lamb", "lars"])
+def test_resume_with_the_average_a_large_batch_optimizer_and_clipping_continues_exactly(
+        tmp_path, optimizer):
+    a, b = straight_and_resumed(tmp_path, 2, 10, *EMA_FLAGS, "--optimizer", optimizer,
                                 "--lr", "0.01", "--clip-grad-norm", "1.0")
     # updates after epoch steps 0, 3, 6, 9 of each epoch; the two within the warmup's first 5
     # steps (--warmup-epochs 0.5) reset the count
@@ -124,6 +126,9 @@ def test_resume_with_the_average_and_lamb_continues_exactly(tmp_path):
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
         assert torch.equal(a["ema"]["model"][key], b["ema"]["model"][key]), key
+    for key, state in a["optimizer"]["state"].items():  # LARS: momentum; LAMB: two moments
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][key][name]), (key, name)
     assert not torch.equal(a["ema"]["model"]["fc.weight"], a["model"]["fc.weight"])
 
 
