@@ -107,11 +107,16 @@ def test_four_ps_workers_train_a_resnet50_under_a_low_open_file_limit(tmp_path):
     result = run_driver(*CATALOG, "-a", "resnet50", "--image-size", "32", "-b", "4", "-j", "0",
                         "--train-index", "csv", "--epochs", "1", "--devices", "cpu,cpu,cpu,cpu",
                         "--sync", "ps", "--sync-timeout", "120", "--run-name", "fds",
+                        # the EMA doubles the checked tensors (161 + 161) the workers' checksums
+                        # carry to the server every 3 steps
+                        "--model-ema", "--model-ema-steps", "2", "--check-every", "3",
+                        "--warmup-epochs", "0",
                         cwd=tmp_path, open_files=256, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     state = weights(tmp_path / "runs" / "fds")
-    assert len(state["model"]) >= 300
+    assert len(state["model"]) >= 300 and state["ema"]["model"].keys() == state["model"].keys()
     assert state["step"] == 9  # 141 images, 4 workers x 4 per step
+    assert state["ema"]["updates"] == 5  # epoch steps 0, 2, 4, 6, 8
 
 
 # allreduce computes the same steps (test_two_workers_match_one_worker_with_twice_the_batch).

@@ -31,7 +31,16 @@ SPLITS = {"1 worker": ("-b", "8"),
           "2 workers allreduce": ("-b", "4", "--devices", "cpu,cpu", "--sync", "allreduce"),
           # 2 micro-batches of 2 per optimizer step: a SIGTERM mid-step saves after the step
           "2 workers allreduce accumulating": ("-b", "2", "--accum-steps", "2", "--devices",
-                                               "cpu,cpu", "--sync", "allreduce")}
+                                               "cpu,cpu", "--sync", "allreduce"),
+          # the recipe knobs: per-image ops, per-batch mixing and erasing, and the EMA, whose
+          # BatchNorm statistics differ per replica until the epoch's end (no warmup: the EMA
+          # averages from the first update on, alpha = 0.025 x 8 x 3 / 2 = 0.3)
+          "2 workers ps recipe": ("-b", "4", "--devices", "cpu,cpu", "--sync", "ps",
+                                  "--auto-augment", "ta_wide", "--mixup-alpha", "0.2",
+                                  "--cutmix-alpha", "1.0", "--random-erase", "0.25",
+                                  "--label-smoothing", "0.1", "--warmup-epochs", "0",
+                                  "--model-ema", "--model-ema-steps", "3",
+                                  "--model-ema-decay", "0.975")}
 # One machine, two ranks, restarted once: what a user types, with a free port for the store.
 TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d")
@@ -69,6 +78,11 @@ def assert_bit_identical(a: dict, b: dict) -> None:
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key, state in a["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    assert (a.get("ema") is None) == (b.get("ema") is None)
+    if a.get("ema"):
+        assert a["ema"]["updates"] == b["ema"]["updates"]
+        for key in a["ema"]["model"]:
+            assert torch.equal(a["ema"]["model"][key], b["ema"]["model"][key]), key
 
 
 def start_until_step(cwd, command: list[str], step: int) -> subprocess.Popen:
@@ -96,7 +110,7 @@ def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("split", ["1 worker", "2 workers ps",
-                                   "2 workers allreduce accumulating"])
+                                   "2 workers allreduce accumulating", "2 workers ps recipe"])
 def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, split):
     flags = (*CATALOG, *EXACT, *SPLITS[split], "--run-name", "cut")
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
