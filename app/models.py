@@ -66,13 +66,16 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def create_model_from_config(config: ModelConfig, num_classes: int) -> nn.Module:
+def create_model_from_config(config: ModelConfig, num_classes: int,
+                             with_pretrained: bool = True) -> nn.Module:
     """The run's model; with --pretrained, loaded from those weights (app/pretrained.py:
     the driver checked them and reported a re-initialised classifier before any worker
-    started, so here it happens silently, the same on every worker)."""
+    started, so here it happens silently, the same on every worker). A resumed run passes
+    `with_pretrained=False`: its checkpoint holds the weights, so the source is not read
+    again (and need not exist any more)."""
     model = create_model(config.arch, num_classes, config.norm, drop_path=config.drop_path,
                          model_kwargs=parse_model_kwargs(config.model_kwargs))
-    if config.pretrained:
+    if config.pretrained and with_pretrained:
         load_pretrained(model, config.pretrained)
     return model
 

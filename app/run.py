@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, launch)
-    if config.model.pretrained:
+    if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
         check_pretrained(job, primary=not (launch and launch.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (launch and launch.rank))

@@ -90,8 +90,8 @@ class Trainer:
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
         torch.manual_seed(config.train.seed)  # identical initial weights on every replica
-        model = self.precision.prepare_model(
-            create_model_from_config(config.model, job.tables.num_classes))
+        model = self.precision.prepare_model(create_model_from_config(
+            config.model, job.tables.num_classes, with_pretrained=not job.resume_from))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         self.accumulation = Accumulation(config.train.accum_steps,
                                          self.train_data.steps_per_epoch())

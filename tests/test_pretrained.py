@@ -74,6 +74,23 @@ def test_the_driver_says_once_that_the_head_is_new_and_trains_from_epoch_1(sourc
     assert (state["epoch"], state["step"], state["num_classes"]) == (1, 5, 5)
 
 
+def test_a_resumed_fine_tune_reads_its_checkpoint_not_the_pretrained_weights(source, tmp_path):
+    """The weights came from --pretrained once; a resumed run has them in its checkpoint, so
+    the source is neither read again nor needed (here it is gone)."""
+    _, path = source
+    copy = tmp_path / "weights.pt"
+    copy.write_bytes(path.read_bytes())
+    flags = (*CATALOG, *TINY_TRAIN_FLAGS, "--classes", "5", "--pretrained", str(copy),
+             "--run-name", "ft")
+    first = run_driver(*flags, "--epochs", "1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    copy.unlink()
+    resumed = run_driver(*flags, "--epochs", "2", "--resume", "auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "re-initialised" not in resumed.stderr
+    assert [r["epoch"] for r in epoch_records(tmp_path / "runs" / "ft")] == [1, 2]
+
+
 def test_a_torchvision_resnet18_state_dict_loads_with_every_key(tmp_path):
     torch.manual_seed(0)
     reference = torchvision.models.resnet18().eval()
