@@ -21,6 +21,7 @@ import torch
 from app import locations
 from app.data.augment import EvalRecipe
 from app.data.decode import BadImage, open_image, to_rgb
+from app.data.device import pixel_statistics
 from app.data.pillow_pipeline import apply_on_pil
 from app.errors import UserError
 from app.model_files import LoadedModel, open_model
@@ -86,9 +87,8 @@ class Transform:
 
     def __init__(self, recipe: EvalRecipe, mean: Iterable[float], std: Iterable[float]):
         self.recipe = recipe
-        # the same float32 arithmetic as app/data/device.py: (pixels - 255 mean) / (255 std)
-        self.mean = torch.tensor(tuple(mean), dtype=torch.float32).mul(255.0).view(3, 1, 1)
-        self.std = torch.tensor(tuple(std), dtype=torch.float32).mul(255.0).view(3, 1, 1)
+        # the evaluation's own float32 arithmetic (app/data/device.py)
+        self.mean, self.std = pixel_statistics(tuple(mean), tuple(std), torch.float32)
 
     def __call__(self, data: bytes) -> torch.Tensor:
         pixels = apply_on_pil(to_rgb(open_image(data)), self.recipe, seed=0)

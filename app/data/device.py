@@ -14,14 +14,21 @@ from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.pipeline import InputFormat
 
 
+def pixel_statistics(mean: tuple[float, ...], std: tuple[float, ...], dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std for pixels in [0, 255] (the statistics are for [0, 1]), shaped (3, 1, 1):
+    `(pixels - mean) / std` is the normalisation, in `dtype`, that every consumer of the
+    model's input computes alike (training, evaluation, predict)."""
+    def scaled(values: tuple[float, ...]) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).mul(255.0).view(3, 1, 1)
+    return scaled(mean), scaled(std)
+
+
 class ToDevice:
     def __init__(self, form: InputFormat):
         self.form = form
-        scale = 255.0  # the statistics are for pixels in [0, 1]; ours are in [0, 255]
-        self.mean = torch.tensor(IMAGENET_MEAN, dtype=form.dtype).mul(scale).view(1, 3, 1, 1
-                                                                              ).to(form.device)
-        self.std = torch.tensor(IMAGENET_STD, dtype=form.dtype).mul(scale).view(1, 3, 1, 1
-                                                                            ).to(form.device)
+        self.mean, self.std = (t.to(form.device) for t in
+                               pixel_statistics(IMAGENET_MEAN, IMAGENET_STD, form.dtype))
         self.memory_format = torch.channels_last if form.channels_last else \
             torch.contiguous_format
 
