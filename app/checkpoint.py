@@ -21,8 +21,7 @@ import torch.nn as nn
 
 from app.errors import UserError, first_line
 from app.files import TEMPORARY_SUFFIX, atomic_path, fsync_folder
-
-FORMAT = "imagenet-dp/1"
+from app.saved_weights import CHECKPOINT_FORMAT as FORMAT
 
 
 def unwrap(model: nn.Module) -> nn.Module:

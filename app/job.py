@@ -7,6 +7,7 @@ from pathlib import Path
 
 from app.config import Config
 from app.data.resolution import Resolution
+from app.loggers import RunInfo
 from app.storage import DatasetRoot
 from app.tables import Tables
 
@@ -24,3 +25,9 @@ class TrainJob:
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.run_dir) / "checkpoints"
+
+    def run_info(self) -> RunInfo:
+        """What the loggers are told about this run."""
+        return RunInfo(name=self.config.run.name, run_id=self.run_id, run_dir=Path(self.run_dir),
+                       epochs=self.config.train.epochs, config=self.config.to_dict(),
+                       settings=self.config.logging)

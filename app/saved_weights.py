@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from app.checkpoint import FORMAT
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.resolution import DEFAULT_CROP_FRACTION, resolve
 from app.errors import UserError, first_line
 from app.locations import is_folder, join, read_bytes
 
+# The tag every checkpoint carries (app/checkpoint.py writes it): defined here, where saved
+# files are told apart, so that reading a model needs nothing of the training loop's package.
+CHECKPOINT_FORMAT = "imagenet-dp/1"
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_ONNX = "model.onnx"
@@ -73,7 +75,7 @@ def read(source: str) -> SavedWeights:
     if source.endswith(".safetensors"):
         return SavedWeights(source, "weights", _safetensors(read_bytes(source), source))
     payload = _torch_load(source)
-    if isinstance(payload, dict) and payload.get("format") == FORMAT:
+    if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
         return SavedWeights(source, "checkpoint", payload["model"], spec_of_checkpoint(payload),
                             (payload.get("ema") or {}).get("model"))
     return SavedWeights(source, "weights", _state_dict(payload, source))

@@ -24,7 +24,7 @@ def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
     # signals itself and the workers agree every step.
     own = None if plan.requests else AgreedRequests(sync, env.world_size,
                                                     job.config.run.checkpoint_interval)
-    loggers = build_loggers(job) if env.is_primary else NullLogger()
+    loggers = build_loggers(job.run_info()) if env.is_primary else NullLogger()
     try:
         if env.is_primary:
             loggers.log_config(job.config.to_dict())

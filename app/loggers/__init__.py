@@ -10,40 +10,36 @@ and the fan-out live in app/loggers/base.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from app.loggers.base import Logger, Loggers, NullLogger
+from app.loggers.base import Logger, Loggers, NullLogger, RunInfo
 
-if TYPE_CHECKING:
-    from app.job import TrainJob
-
-__all__ = ["LOGGERS", "Logger", "Loggers", "NullLogger", "build_loggers"]
+__all__ = ["LOGGERS", "Logger", "Loggers", "NullLogger", "RunInfo", "build_loggers"]
 
 
-def _console(job: TrainJob) -> Logger:
+def _console(run: RunInfo) -> Logger:
     from app.loggers.console import ConsoleLogger  # noqa: PLC0415
-    return ConsoleLogger(job.config.train.epochs)
+    return ConsoleLogger(run.epochs)
 
 
-def _wandb(job: TrainJob) -> Logger:
+def _wandb(run: RunInfo) -> Logger:
     from app.loggers.wandb_logger import WandbLogger  # noqa: PLC0415 (wandb may be missing)
-    return WandbLogger(job)
+    return WandbLogger(run)
 
 
 # The loggers a user chooses with --loggers; adding one is an entry here (and in the config's
 # choices). Imported only when chosen: the GPU machines may have no wandb.
-LOGGERS: dict[str, Callable[[TrainJob], Logger]] = {"console": _console, "wandb": _wandb}
+LOGGERS: dict[str, Callable[[RunInfo], Logger]] = {"console": _console, "wandb": _wandb}
 
 
-def build_loggers(job: TrainJob) -> Loggers:
+def build_loggers(run: RunInfo) -> Loggers:
     """metrics.jsonl and curves.png are always written (they are part of every run's
     outputs); the chosen loggers come after them."""
     from app.loggers.curves import CurvesLogger  # noqa: PLC0415
     from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
-    run_dir = Path(job.run_dir)
+    metrics = run.run_dir / "metrics.jsonl"
     # jsonl first: the curves are drawn from the file it has just appended to.
-    backends: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl"),
-                              CurvesLogger(run_dir / "metrics.jsonl", run_dir / "curves.png")]
-    backends += [LOGGERS[name](job) for name in job.config.logging.loggers]
+    backends: list[Logger] = [JsonlLogger(metrics),
+                              CurvesLogger(metrics, run.run_dir / "curves.png")]
+    backends += [LOGGERS[name](run) for name in run.settings.loggers]
     return Loggers(backends)

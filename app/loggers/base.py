@@ -5,8 +5,23 @@ them without a cycle."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from app.config import LoggingConfig
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the loggers are told about a run when they start: names and numbers, never the
+    training job, so this layer knows nothing of the layers that use it."""
+    name: str
+    run_id: str  # stable across resumes: a resumed run continues the same wandb run
+    run_dir: Path
+    epochs: int
+    config: dict[str, Any]  # the resolved config, as config.toml holds it
+    settings: LoggingConfig
 
 
 class Logger(Protocol):

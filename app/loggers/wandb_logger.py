@@ -1,5 +1,5 @@
 """Weights & Biases backend. Created only in the primary process, so one run per training job;
-the job's run id is stored in every checkpoint, so a resumed job continues the same wandb run.
+the run's id is stored in every checkpoint, so a resumed job continues the same wandb run.
 
 Settings left empty defer to wandb's environment variables (WANDB_PROJECT, WANDB_ENTITY,
 WANDB_MODE, WANDB_TAGS, WANDB_DIR, WANDB_API_KEY). wandb is imported here only: machines
@@ -10,34 +10,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.errors import UserError, first_line
-from app.loggers.base import NullLogger
+from app.loggers.base import NullLogger, RunInfo
 from app.loggers.redact import redact
-
-if TYPE_CHECKING:
-    from app.job import TrainJob
 
 DEFAULT_PROJECT = "imagenet-dp"
 
 
 class WandbLogger(NullLogger):
-    def __init__(self, job: TrainJob):
+    def __init__(self, run: RunInfo):
         try:
             import wandb  # noqa: PLC0415
         except ImportError:
             raise UserError("--logger wandb: the wandb package is not installed here; "
                             "pip install wandb, or choose --logger console") from None
         self.wandb = wandb
-        settings = job.config.logging
+        settings = run.settings
         try:
             self.run = wandb.init(
                 project=settings.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
                 entity=settings.wandb_entity or None, mode=settings.wandb_mode or None,
-                tags=settings.wandb_tags or None, name=job.config.run.name, id=job.run_id,
-                resume="allow", dir=os.environ.get("WANDB_DIR") or job.run_dir,
-                config=redact(job.config.to_dict()), save_code=False)
+                tags=settings.wandb_tags or None, name=run.name, id=run.run_id,
+                resume="allow", dir=os.environ.get("WANDB_DIR") or str(run.run_dir),
+                config=redact(run.config), save_code=False)
         except Exception as error:  # noqa: BLE001 (wandb raises several kinds: say what to do)
             raise UserError(f"wandb could not start the run ({first_line(error, 200, True)}); "
                             "run `wandb login` or set WANDB_API_KEY, or WANDB_MODE=offline"
