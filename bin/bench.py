@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.bench.cli import main  # noqa: E402
-from app.cli import run_cli  # noqa: E402
+from app.runtime.cli import run_cli  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))

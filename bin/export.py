@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli import run_cli  # noqa: E402
+from app.runtime.cli import run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
                         "trained with --model-ema)")
     parser.add_argument("--onnx", action="store_true", help="also write model.onnx")
     args = parser.parse_args(argv)
-    from app.export import export  # noqa: PLC0415 (torch and timm: after parsing)
+    from app.inference.export import export  # noqa: PLC0415 (torch and timm: after parsing)
     for path in export(args.checkpoint, args.out_dir, ema=args.ema, onnx=args.onnx):
         print(f"wrote {path}")
     return 0

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli import run_cli  # noqa: E402
+from app.runtime.cli import run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.top < 1 or args.batch_size < 1:
         parser.error("-k and --batch-size must be at least 1")
-    from app.predict import run  # noqa: PLC0415 (torch and timm: after parsing)
+    from app.inference.predict import run  # noqa: PLC0415 (torch and timm: after parsing)
     return run(args.model, args.images, args.top, args.json, args.batch_size, args.device,
                args.onnx)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.cli import run_cli  # noqa: E402
+from app.runtime.cli import run_cli  # noqa: E402
 
 USAGE = ("usage: validate.py MODEL [--dataset NAME] [--val-flip-tta] [driver.py's flags: "
          "--catalog, --devices, --gpus, -b, -j, --run-name, --output-dir, ...]")
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         print(f"{USAGE}\nerror: MODEL (a checkpoint or an export folder) comes first",
               file=sys.stderr)
         return 2
-    from app.validate import main as validate  # noqa: PLC0415 (torch: after the usage)
+    from app.inference.validate import main as validate  # noqa: PLC0415 (torch: after the usage)
     return validate(argv[0], argv[1:])
 
 

@@ -15,7 +15,7 @@ import pytest
 import tomli_w
 import torch
 
-from app import sample
+from app.catalog import sample
 
 REPO = Path(__file__).resolve().parents[1]
 

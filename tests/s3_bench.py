@@ -26,7 +26,7 @@ import tomli_w
 TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 
-from app import sample  # noqa: E402
+from app.catalog import sample  # noqa: E402
 from s3 import ACCESS_KEY, SECRET_KEY, FaultyProxy, MotoServer  # noqa: E402
 
 BUCKET, PREFIX = "bench-data", "ilsvrc"

@@ -10,19 +10,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from app.accumulation import Accumulation
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
-from app.errors import UserError
-from app.interrupts import Action, NoRequests
+from app.config.sources import parse_config
+from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
 from app.parallel import LocalSync
 from app.parallel.allreduce import AllReduceSync, free_port
 from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
-from app.run import prepare_job, write_run_folder
-from app.train import Finished, Stopped, train_worker
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.runtime.interrupts import Action, NoRequests
+from app.training.accumulation import Accumulation
+from app.training.trainer import Finished, Stopped, train_worker
 from conftest import run_driver
 from test_parallel import CATALOG, EXACT, relative_difference, weights
 from test_train import Recorder as MetricsRecorder, train_in_process

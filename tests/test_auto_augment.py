@@ -12,7 +12,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import autoaugment as tv
 
-from app import tables
+from app.catalog import tables
 from app.data.augment import TrainRecipe
 from app.data.auto_augment import (IMAGENET_POLICY, OP_NAMES, WIDE_SPACE, ImageNetAutoAugment,
                                    RandAugment, TrivialAugmentWide, policy, standard_space)

@@ -3,10 +3,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from app.catalog import Catalog, _storage_options, _store_options
-from app.storage import DEFAULT_CONCURRENCY, DatasetRoot, _store_settings
-from app.errors import UserError
-from app.tables import load_tables
+from app.catalog.catalog import Catalog, _storage_options, _store_options
+from app.catalog.storage import DEFAULT_CONCURRENCY, DatasetRoot, _store_settings
+from app.catalog.tables import load_tables
+from app.runtime.errors import UserError
 from conftest import REPO, write_catalog
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from app import checkpoint
-from app.errors import UserError
+from app.runtime.errors import UserError
+from app.training import checkpoint
 
 
 def test_round_trip_moves_tensors_to_cpu_and_keeps_rng_states(tmp_path):

@@ -3,8 +3,8 @@ import tomllib
 
 import pytest
 
-from app.config_sources import build_parser, dump_toml, make_config, parse_config
-from app.errors import UserError
+from app.config.sources import build_parser, dump_toml, make_config, parse_config
+from app.runtime.errors import UserError
 
 
 def test_defaults_follow_the_resnet34_recipe():

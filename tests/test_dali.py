@@ -17,23 +17,23 @@ from PIL import Image
 
 pytest.importorskip("nvidia.dali")  # noqa: E402 (a machine without DALI trains with Pillow)
 
+from app.catalog.storage import DatasetRoot  # noqa: E402
+from app.catalog.tables import load_tables  # noqa: E402
+from app.config.sources import parse_config  # noqa: E402
 from app.data.augment import EvalRecipe, TrainRecipe  # noqa: E402
 from app.data.auto_augment import OP_NAMES  # noqa: E402
+from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
-from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
 from app.data.pipeline import InputFormat, PipelineSpec  # noqa: E402
-from app.data.sampler import ShardedBatches  # noqa: E402
 from app.data.resolution import TrainSizes  # noqa: E402
-from app.config_sources import parse_config  # noqa: E402
-from app.devices import WorkerEnv  # noqa: E402
-from app.interrupts import Action  # noqa: E402
+from app.data.sampler import ShardedBatches  # noqa: E402
+from app.launch.run import prepare_job, write_run_folder  # noqa: E402
 from app.parallel import LocalSync  # noqa: E402
-from app.run import prepare_job, write_run_folder  # noqa: E402
-from app.storage import DatasetRoot  # noqa: E402
-from app.tables import load_tables  # noqa: E402
-from app.train import Finished, Position, Trainer  # noqa: E402
+from app.runtime.devices import WorkerEnv  # noqa: E402
+from app.runtime.interrupts import Action  # noqa: E402
+from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
 from test_reliability import last, stop_with_sigterm_after  # noqa: E402
 

@@ -22,7 +22,7 @@ pytest.importorskip("nvidia.dali")  # noqa: E402
 
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
-from app import tables  # noqa: E402
+from app.catalog import tables  # noqa: E402
 from app.data.auto_augment import OP_NAMES, WIDE_SPACE  # noqa: E402
 from app.data.dali_ops import augment  # noqa: E402
 from app.data.dali_source import op_columns  # noqa: E402

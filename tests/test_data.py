@@ -9,18 +9,17 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from app import sample, tables
-from app.storage import DatasetRoot
-from app.data.augment import (EvalRecipe, Plan, TrainRecipe, center_crop_box,
-                              random_resized_crop_box)
+from app.catalog import sample, tables
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import train_cls_list
+from app.data.augment import EvalRecipe, Plan, TrainRecipe, center_crop_box, random_resized_crop_box
 from app.data.dali_memory import decoder_memory
 from app.data.decode import BadImage, open_image, to_rgb
-from app.data.device import ToDevice
 from app.data.decoders import build_pipeline
+from app.data.device import ToDevice
 from app.data.pillow_pipeline import BatchRequest, ReadAhead, build_loader
 from app.data.pipeline import InputFormat, PipelineSpec, Skipped
 from app.data.sampler import ShardedBatches
-from app.tables import train_cls_list
 
 
 def indices(batches) -> list[list[int]]:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from app.cli import run_cli
-from app.run import main
+from app.launch.run import main
+from app.runtime.cli import run_cli
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 
 

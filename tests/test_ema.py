@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from app import checkpoint
-from app.devices import WorkerEnv
-from app.config_sources import parse_config
-from app.ema import ModelEma, adjusted_decay
-from app.errors import UserError
+from app.config.sources import parse_config
 from app.loggers import NullLogger
 from app.parallel import LocalSync, checked_parameters, compare_checksums, weights_checksum
 from app.parallel.watch import SyncFailure
-from app.train import Trainer, train_worker
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.training import checkpoint
+from app.training.ema import ModelEma, adjusted_decay
+from app.training.trainer import Trainer, train_worker
 from conftest import TINY_TRAIN_FLAGS, run_driver
 from training import CATALOG, HostSyncs, straight_and_resumed, train_in_process
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from app.data.pipeline import DeviceBatch
-from app.evaluate import correct_counts, evaluate
 from app.parallel import LocalSync
-from app.precision import Precision
+from app.training.evaluate import correct_counts, evaluate
+from app.training.precision import Precision
 
 
 def test_correct_counts_per_k():

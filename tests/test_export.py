@@ -13,15 +13,15 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from app import checkpoint
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD, EvalRecipe
-from app.errors import UserError
-from app.export import export
-from app.model_files import open_model
-from app.models import create_model
-from app.predict import Transform
-from app.storage import DatasetRoot
-from app.tables import load_tables
+from app.inference.export import export
+from app.inference.model_files import open_model
+from app.inference.predict import Transform
+from app.models.factory import create_model
+from app.runtime.errors import UserError
+from app.training import checkpoint
 from conftest import REPO
 from trained import CATALOG, epoch_records, train_tiny
 

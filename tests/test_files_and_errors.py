@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from app.errors import first_line
-from app.files import atomic_path, create_if_absent, write_atomically
+from app.runtime.errors import first_line
+from app.runtime.files import atomic_path, create_if_absent, write_atomically
 
 
 def test_an_atomic_write_replaces_the_file_whole_or_not_at_all(tmp_path):

@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from app import checkpoint, run_state
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
-from app.interrupts import PREEMPTED_EXIT_CODE, Action
+from app.config.sources import parse_config
+from app.launch.run import prepare_job, write_run_folder
 from app.parallel import LocalSync
-from app.run import prepare_job, write_run_folder
-from app.train import Trainer
+from app.runtime.devices import WorkerEnv
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Action
+from app.training import checkpoint, run_state
+from app.training.trainer import Trainer
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 from test_parallel import EXACT, relative_difference, weights
 from test_reliability import last, stop_with_sigterm_after
@@ -171,12 +171,12 @@ def test_dali_on_the_gpu_gives_pillows_batches(tiny_sample):
     images, labels and crops; pixels within the tolerance the CPU test states, doubled for the
     GPU decoder's IDCT and chroma upsampling."""
     pytest.importorskip("nvidia.dali")
+    from app.catalog.storage import DatasetRoot
+    from app.catalog.tables import load_tables
     from app.data.augment import TrainRecipe
     from app.data.decoders import build_pipeline
     from app.data.pipeline import InputFormat, PipelineSpec
     from app.data.sampler import ShardedBatches
-    from app.storage import DatasetRoot
-    from app.tables import load_tables
     root = DatasetRoot("tiny", str(tiny_sample))
     frame = load_tables(root).train
     form = InputFormat(torch.device("cuda:0"), torch.float32, channels_last=True)
@@ -205,12 +205,12 @@ def test_dali_hands_its_batches_over_on_torchs_current_stream(tiny_sample, monke
     stream would raise, and the batch would be redone with Pillow: no such warning either."""
     pytest.importorskip("nvidia.dali")
     from nvidia.dali import Pipeline
+    from app.catalog.storage import DatasetRoot
+    from app.catalog.tables import load_tables
     from app.data.augment import EvalRecipe
     from app.data.decoders import build_pipeline
     from app.data.pipeline import InputFormat, PipelineSpec
     from app.data.sampler import ShardedBatches
-    from app.storage import DatasetRoot
-    from app.tables import load_tables
     handed = []
     run = Pipeline.run
 

@@ -12,14 +12,14 @@ import pytest
 import tomli_w
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from app.catalog import ENTRY_KEYS, Catalog
-from app.storage import DatasetRoot
-from app.config_sources import parse_config
-from app.errors import UserError
-from app.imagefolder import IMAGE_SUFFIXES
-from app.tables import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
-from app.tables import (load_tables, synset_mapping, train_cls_list, train_solutions,
-                        val_solutions)
+from app.catalog.catalog import ENTRY_KEYS, Catalog
+from app.catalog.imagefolder import IMAGE_SUFFIXES
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import SYNSET_MAPPING, TRAIN_CLS, TRAIN_SOLUTION, VAL_SOLUTION
+from app.catalog.tables import (load_tables, synset_mapping, train_cls_list, train_solutions,
+                                val_solutions)
+from app.config.sources import parse_config
+from app.runtime.errors import UserError
 
 EXAMPLES = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

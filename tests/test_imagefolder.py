@@ -5,9 +5,9 @@ import shutil
 import pytest
 
 from app.catalog import Catalog
-from app.errors import UserError
-from app.storage import DatasetRoot
-from app.tables import load_tables
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
+from app.runtime.errors import UserError
 from conftest import write_catalog
 
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from app import checkpoint
 from app.loggers.console import ConsoleLogger
+from app.loggers.plots import load_metrics
 from app.loggers.redact import MASK, redact
-from app.plots import load_metrics
+from app.training import checkpoint
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 
 pytest.importorskip("wandb")  # machines that train without it (gpu-check) skip these

@@ -9,7 +9,7 @@ from timm.loss import BinaryCrossEntropy
 
 from app.config import ModelConfig
 from app.data.batch_augment import apply_mix, Mix, one_hot
-from app.losses import SmoothedBinaryCrossEntropy, build_criterion
+from app.training.losses import SmoothedBinaryCrossEntropy, build_criterion
 
 CLASSES = 7
 

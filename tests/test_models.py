@@ -4,10 +4,10 @@ import torch
 import torch.nn as nn
 from timm.layers import BlurPool2d, DropPath
 
-from app.cli import run_cli
-from app.errors import UserError
-from app.models import create_model, parse_model_kwargs
-from app.run import main
+from app.launch.run import main
+from app.models.factory import create_model, parse_model_kwargs
+from app.runtime.cli import run_cli
+from app.runtime.errors import UserError
 from conftest import TINY_TRAIN_FLAGS
 
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from app.config import OptimConfig
-from app.config_sources import parse_config
-from app.errors import UserError
-from app.models import create_model
-from app.optim import (WarmupSchedule, build_optimizer, build_scheduler, clip_gradients,
-                       param_groups, restore_scheduler, scaled_lr)
+from app.config.sources import parse_config
+from app.models.factory import create_model
+from app.runtime.errors import UserError
+from app.training.optim import (WarmupSchedule, build_optimizer, build_scheduler, clip_gradients,
+                                param_groups, restore_scheduler, scaled_lr)
 
 
 def test_no_weight_decay_on_norm_and_bias_parameters():

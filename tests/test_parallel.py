@@ -11,12 +11,12 @@ import uuid
 import pytest
 import torch
 
-from app import checkpoint
-from app.cli import run_cli
-from app.interrupts import PREEMPTED_EXIT_CODE
+from app.launch.run import main
 from app.parallel.allreduce import free_port
 from app.parallel.watch import is_alive
-from app.run import main
+from app.runtime.cli import run_cli
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.training import checkpoint
 from conftest import (REPO, TINY_TRAIN_FLAGS, read_line_with, read_started_line,
                       run_driver, worker_pids)
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from app.devices import WorkerEnv
 from app.parallel.messages import post
 from app.parallel.packed import PackedTensors
 from app.parallel.ps_server import ServerLinks
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import SyncFailure, TransportFailure, Watch
+from app.runtime.devices import WorkerEnv
 
 CONTEXT = mp.get_context("spawn")
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from app.devices import LaunchEnv, worker_devices
-from app.errors import UserError
-from app.models import create_model
+from app.models.factory import create_model
 from app.parallel import compare_checksums, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.plans import choose_sync
 from app.parallel.ps_server import Reducer, Registration, ServerLinks, syncgrads
 from app.parallel.watch import SyncFailure, Watch, descendants, is_alive
+from app.runtime.devices import LaunchEnv, worker_devices
+from app.runtime.errors import UserError
 
 
 def test_buckets_cover_every_parameter_once_in_backward_order():

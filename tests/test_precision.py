@@ -3,7 +3,7 @@ import torch
 
 from app.data.device import ToDevice
 from app.data.pipeline import InputFormat
-from app.precision import Precision
+from app.training.precision import Precision
 
 
 def test_cuda_defaults_to_bf16_and_channels_last():

@@ -11,18 +11,18 @@ import pytest
 import timm
 import torch
 
-from app import checkpoint
+from app.bench import predict as bench
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
 from app.data.augment import EvalRecipe
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import build_loader
 from app.data.pipeline import InputFormat
 from app.data.sampler import ShardedBatches
-from app.bench import predict as bench
-from app.errors import UserError
-from app.export import export
-from app.predict import run
-from app.storage import DatasetRoot
-from app.tables import load_tables
+from app.inference.export import export
+from app.inference.predict import run
+from app.runtime.errors import UserError
+from app.training import checkpoint
 from conftest import REPO
 from trained import epoch_records, train_tiny
 

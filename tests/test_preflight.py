@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 
-from app import preflight
-from app.ema import ModelEma
-from app.config_sources import make_config, parse_config
-from app.errors import UserError
-from app.models import create_model
-from app.optim import build_optimizer
-from app.run import prepare_job
+from app.config.sources import make_config, parse_config
+from app.launch.run import prepare_job
+from app.models.factory import create_model
+from app.runtime.errors import UserError
+from app.training import preflight
+from app.training.ema import ModelEma
+from app.training.optim import build_optimizer
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, write_catalog
 
 TINY = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")

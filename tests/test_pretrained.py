@@ -6,15 +6,16 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from app import checkpoint, pretrained
 from app.config import ModelConfig
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
-from app.errors import UserError
-from app.models import create_model, create_model_from_config
+from app.config.sources import parse_config
+from app.launch.run import prepare_job, write_run_folder
+from app.models import pretrained
+from app.models.factory import create_model, create_model_from_config
 from app.parallel import LocalSync
-from app.run import prepare_job, write_run_folder
-from app.train import Position, Trainer
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.training import checkpoint
+from app.training.trainer import Position, Trainer
 from conftest import TINY_TRAIN_FLAGS, run_driver
 from trained import CATALOG, epoch_records, train_tiny
 

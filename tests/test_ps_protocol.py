@@ -10,12 +10,12 @@ from collections import Counter
 
 import torch
 
-from app.devices import WorkerEnv
 from app.parallel.buckets import BucketLayout
 from app.parallel.ps_server import Reducer, Registration, ServerLinks, reduction_devices, \
     run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
+from app.runtime.devices import WorkerEnv
 
 
 def test_buckets_are_reduced_on_the_worker_devices_in_turn():

@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
-from app import checkpoint
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
 from app.data.sampler import ShardedBatches
-from app.interrupts import PREEMPTED_EXIT_CODE
 from app.parallel.allreduce import free_port
 from app.parallel.watch import descendants
-from app.storage import DatasetRoot
-from app.tables import load_tables
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.training import checkpoint
 from conftest import REPO, read_line_with, read_started_line, run_driver, skipped_rows, worker_pids
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -231,7 +231,7 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny
 
 WRITER = """
 import sys, time, torch
-from app import checkpoint
+from app.training import checkpoint
 
 class Stall:  # pickled while the new checkpoint is being written
     def __reduce__(self):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from app.config import Config, DataConfig
-from app.config_checks import validate
-from app.config_sources import parse_config
+from app.config.checks import validate
+from app.config.sources import parse_config
 from app.data.resolution import TrainSizes, resolve
-from app.errors import UserError
+from app.runtime.errors import UserError
 
 
 def ffcv_resolution(epoch, min_res, max_res, start_ramp, end_ramp):

@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from app import preflight
 from app.catalog import Catalog
-from app.config_sources import parse_config
+from app.catalog.storage import OBJECT_STORE_RETRY, DatasetRoot
+from app.catalog.tables import SYNSET_MAPPING, TRAIN_CLS, load_tables, train_cls_list
+from app.config.sources import parse_config
 from app.data.augment import TrainRecipe
 from app.data.pillow_pipeline import READ_AHEAD_BATCHES, build_loader
 from app.data.reader import ATTEMPTS, BACKOFF_S, BlobReader
 from app.data.sampler import ShardedBatches
-from app.run import prepare_job
-from app.storage import OBJECT_STORE_RETRY, DatasetRoot
-from app.tables import SYNSET_MAPPING, TRAIN_CLS, load_tables, train_cls_list
+from app.launch.run import prepare_job
+from app.training import preflight
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows, write_catalog
 
 for needed in ("boto3", "obstore", "s3fs"):  # machines without them (gpu-check) skip these
@@ -230,8 +230,8 @@ def test_profile_credentials_sign_the_requests_and_anon_sends_none(tmp_path, s3_
 
 
 def test_unreachable_endpoint_is_a_clear_error(tmp_path, s3_server, capsys):
-    from app.cli import run_cli
-    from app.run import main
+    from app.launch.run import main
+    from app.runtime.cli import run_cli
     catalog = s3_catalog(tmp_path, "s3://imagenet-test/ilsvrc", "http://127.0.0.1:9",
                          concurrency=4)
     code = run_cli(main, ["--catalog", str(catalog), "--dataset", "s3"])

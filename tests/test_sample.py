@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from app import sample, tables
+from app.catalog import sample, tables
 
 
 def digest(folder) -> dict[str, str]:

@@ -13,19 +13,19 @@ import time
 
 import pytest
 
-from app import slurm
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import train_cls_list
 from app.config import Config
-from app.devices import LaunchEnv
-from app.errors import UserError
-from app.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, Action, AgreedRequests
 from app.data.augment import TrainRecipe
 from app.data.pillow_pipeline import build_loader
 from app.data.sampler import ShardedBatches
+from app.launch.run import check_launched, with_job_run_name
 from app.parallel.watch import descendants
-from app.run import check_launched, with_job_run_name
-from app.storage import DatasetRoot
-from app.tables import train_cls_list
-from app.slurm import expand_counts, expand_hostlist
+from app.runtime import slurm
+from app.runtime.devices import LaunchEnv
+from app.runtime.errors import UserError
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, Action, AgreedRequests
+from app.runtime.slurm import expand_counts, expand_hostlist
 from conftest import REPO, run_driver
 from test_reliability import CATALOG, EXACT, assert_bit_identical, last, metric_rows
 

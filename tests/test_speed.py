@@ -14,8 +14,6 @@ import timm
 import torch
 import torch.distributed as dist
 
-from app import checkpoint
-from app.devices import WorkerEnv
 from app.loggers.jsonl import JsonlLogger
 from app.parallel import LocalSync
 from app.parallel.allreduce import free_port
@@ -23,8 +21,10 @@ from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
-from app.speed import CompiledForFullBatches, compile_enabled
-from app.train import Finished, train_worker
+from app.runtime.devices import WorkerEnv
+from app.training import checkpoint
+from app.training.speed import CompiledForFullBatches, compile_enabled
+from app.training.trainer import Finished, train_worker
 from test_ps_protocol import Recorder, RecordingServer, RecordingWorker
 from test_train import train_in_process
 

@@ -1,10 +1,10 @@
 import pandas as pd
 import pytest
 
-from app.storage import DatasetRoot
-from app.errors import UserError
-from app.tables import (load_tables, synset_mapping, train_cls_list, train_listing,
-                        train_solutions, val_solutions)
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import (load_tables, synset_mapping, train_cls_list, train_listing,
+                                train_solutions, val_solutions)
+from app.runtime.errors import UserError
 
 
 def root_of(folder) -> DatasetRoot:

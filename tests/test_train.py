@@ -9,20 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from app import checkpoint
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
-from app.loggers import NullLogger
-from app.parallel import LocalSync
-from app.run import prepare_job, write_run_folder
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import train_cls_list
+from app.config.sources import parse_config
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.sampler import ShardedBatches
-from app.precision import Precision
-from app.speed import compiled_graphs, stage_blocks
-from app.storage import DatasetRoot
-from app.tables import train_cls_list
-from app.data.worker_pipelines import build_pipelines
-from app.train import Trainer, train_worker
+from app.launch.run import prepare_job, write_run_folder
+from app.loggers import NullLogger
+from app.parallel import LocalSync
+from app.runtime.devices import WorkerEnv
+from app.training import checkpoint
+from app.training.precision import Precision
+from app.training.speed import compiled_graphs, stage_blocks
+from app.training.trainer import Trainer, train_worker
+from app.training.worker_pipelines import build_pipelines
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows
 from training import CATALOG, HostSyncs, records, straight_and_resumed, train_in_process
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from app import checkpoint
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
+from app.config.sources import parse_config
+from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
 from app.parallel import LocalSync
-from app.run import prepare_job, write_run_folder
-from app.train import Finished, train_worker
+from app.runtime.devices import WorkerEnv
+from app.training import checkpoint
+from app.training.trainer import Finished, train_worker
 from conftest import REPO, TINY_TRAIN_FLAGS
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from app.models import create_model
-from app.precision import Precision
-from app.speed import CompiledForFullBatches
+from app.models.factory import create_model
+from app.training.precision import Precision
+from app.training.speed import CompiledForFullBatches
 
 SETTINGS = ("off", "whole", "regions")
 

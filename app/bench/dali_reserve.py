@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from app import sample
+from app.catalog import sample
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.dali_memory import decoder_memory
 from app.data.decoders import build_pipeline, dali_imports
 from app.data.pipeline import InputFormat, PipelineSpec
 from app.data.sampler import ShardedBatches
-from app.errors import first_line
-from app.storage import DatasetRoot
-from app.tables import load_tables
+from app.runtime.errors import first_line
 
 SPLITS = ("train", "val")
 

@@ -16,14 +16,14 @@ from app.bench import model as model_bench
 from app.bench.peer import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
-from app.config_sources import parse_config
-from app.devices import WorkerEnv
-from app.models import create_model
+from app.catalog.tables import load_tables
+from app.config.sources import parse_config
+from app.launch.run import prepare_job, write_run_folder
+from app.models.factory import create_model
 from app.parallel import LocalSync
-from app.run import prepare_job, write_run_folder
-from app.speed import compile_enabled
-from app.tables import load_tables
-from app.train import Trainer
+from app.runtime.devices import WorkerEnv
+from app.training.speed import compile_enabled
+from app.training.trainer import Trainer
 
 
 @dataclass(frozen=True)

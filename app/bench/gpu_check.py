@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.errors import UserError
+from app.runtime.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",

@@ -24,13 +24,13 @@ import torch
 from app.bench.peer import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
 from app.data.augment import TrainRecipe
 from app.data.decoders import build_pipeline
 from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
-from app.storage import DatasetRoot
-from app.tables import load_tables
 
 DEFAULT_READERS = ("s3fs", "obstore")  # the baseline first
 

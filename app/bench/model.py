@@ -17,11 +17,11 @@ import torch
 
 from app.config import AugmentConfig, OptimConfig
 from app.data.batch_augment import BatchAugment
-from app.ema import ModelEma
-from app.models import create_model
-from app.optim import build_optimizer, clip_gradients
-from app.precision import Precision
-from app.speed import configure_backends
+from app.models.factory import create_model
+from app.training.ema import ModelEma
+from app.training.optim import build_optimizer, clip_gradients
+from app.training.precision import Precision
+from app.training.speed import configure_backends
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
+from app.catalog.storage import DatasetRoot
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from app.storage import DatasetRoot
 
 
 class PeerDataset(Dataset):

@@ -15,11 +15,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from app import locations
-from app.export import export_model
-from app.model_files import LoadedModel, build, open_model
-from app.predict import OnnxRunner, Runner, TorchRunner, Transform, image_files, predict
-from app.saved_weights import ModelSpec
+from app.catalog import locations
+from app.inference.export import export_model
+from app.inference.model_files import LoadedModel, build, open_model
+from app.inference.predict import OnnxRunner, Runner, TorchRunner, Transform, image_files, predict
+from app.models.saved_weights import ModelSpec
 
 
 def best_seconds(work: Callable[[], object], repeats: int) -> float:

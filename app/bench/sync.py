@@ -21,10 +21,10 @@ import torch
 
 from app.bench.compile import compiled
 from app.config import ParallelConfig
-from app.devices import WorkerEnv, use_device
-from app.models import create_model
+from app.models.factory import create_model
 from app.parallel.launcher import launch
-from app.precision import Precision
+from app.runtime.devices import WorkerEnv, use_device
+from app.training.precision import Precision
 
 
 @dataclass(frozen=True)

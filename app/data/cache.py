@@ -12,7 +12,7 @@ import fcntl
 import hashlib
 from pathlib import Path
 
-from app.files import write_atomically
+from app.runtime.files import write_atomically
 
 LEDGER = ".bytes"  # total bytes admitted so far, updated under an exclusive file lock
 

@@ -34,7 +34,7 @@ from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
 from app.data.pillow_pipeline import BatchRequest, ImageDataset, collate
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
-from app.errors import first_line
+from app.runtime.errors import first_line
 
 log = logging.getLogger("imagenet_dp")
 

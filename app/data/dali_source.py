@@ -18,13 +18,13 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from app.catalog.storage import DatasetRoot
 from app.data.augment import Plan, Recipe
 from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
-from app.interrupts import ignore_stop_signals
-from app.storage import DatasetRoot
+from app.runtime.interrupts import ignore_stop_signals
 
 JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
 PNG_END = b"IEND\xaeB`\x82"

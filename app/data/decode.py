@@ -11,7 +11,7 @@ import warnings
 
 from PIL import Image
 
-from app.errors import first_line
+from app.runtime.errors import first_line
 
 # Decoding errors that mean "this file is not a usable image" rather than a bug here.
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)

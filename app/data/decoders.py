@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from app.data.pipeline import InputPipeline, PipelineSpec
-from app.errors import UserError
+from app.runtime.errors import UserError
 
 
 def _pillow(spec: PipelineSpec, options: dict) -> InputPipeline:  # no options of its own

@@ -15,8 +15,8 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from app.errors import first_line
-from app.storage import DatasetRoot
+from app.catalog.storage import DatasetRoot
+from app.runtime.errors import first_line
 
 Outcome = tuple[bytes | None, str]  # (bytes, "") or (None, why not)
 

@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from app.catalog.storage import DatasetRoot
 from app.data.augment import Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
@@ -29,8 +30,7 @@ from app.data.pillow_ops import apply_ops
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
-from app.interrupts import ignore_stop_signals
-from app.storage import DatasetRoot
+from app.runtime.interrupts import ignore_stop_signals
 
 READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
 

@@ -23,9 +23,9 @@ from typing import Iterator, Protocol
 import pandas as pd
 import torch
 
+from app.catalog.storage import DatasetRoot
 from app.data.augment import Recipe
 from app.data.sampler import ShardedBatches
-from app.storage import DatasetRoot
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from app.catalog.storage import DEFAULT_CONCURRENCY, DatasetRoot
 from app.data.cache import DiskCache
 from app.data.object_store import ObjectStoreReads, Outcome
-from app.errors import first_line
-from app.storage import DEFAULT_CONCURRENCY, DatasetRoot
+from app.runtime.errors import first_line
 
 ATTEMPTS = 3  # per blob, on top of the client's own retries
 BACKOFF_S = 0.2  # doubled after each failed attempt

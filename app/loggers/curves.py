@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from app.loggers.base import NullLogger
-from app.plots import draw_curves, load_metrics
+from app.loggers.plots import draw_curves, load_metrics
 
 
 class CurvesLogger(NullLogger):

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from app.errors import UserError, first_line
 from app.loggers.base import NullLogger, RunInfo
 from app.loggers.redact import redact
+from app.runtime.errors import UserError, first_line
 
 DEFAULT_PROJECT = "imagenet-dp"
 

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.devices import WorkerEnv
 from app.parallel import (StepImages, checked_parameters, compare_checksums, float_buffers,
                           scale_grads, weights_checksum)
 from app.parallel.rounds import round_store
+from app.runtime.devices import WorkerEnv
 
 
 def backend_for(devices: list[str]) -> str:

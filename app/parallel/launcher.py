@@ -25,11 +25,11 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from app.config import ParallelConfig
-from app.devices import WorkerEnv
-from app.errors import USER_ERROR_EXIT_CODE, UserError, first_line
-from app.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
 from app.parallel.plans import SYNC_MODES
 from app.parallel.watch import POLL_S, SyncFailure, descendants, die_with_parent, is_alive
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
 
 log = logging.getLogger("imagenet_dp")
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long

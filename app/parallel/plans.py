@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from app.config import ParallelConfig
-from app.devices import LaunchEnv, WorkerEnv
-from app.errors import UserError
-from app.interrupts import SharedRequests
 from app.parallel import GradientSync, LocalSync
 from app.parallel.ps_server import ServerLinks, serve
 from app.parallel.watch import Watch
+from app.runtime.devices import LaunchEnv, WorkerEnv
+from app.runtime.errors import UserError
+from app.runtime.interrupts import SharedRequests
 
 
 class SyncPlan(Protocol):

@@ -12,7 +12,6 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from app.devices import WorkerEnv
 from app.parallel import StepImages, checked_parameters, float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
@@ -20,6 +19,7 @@ from app.parallel.messages import post
 from app.parallel.packed import PackedTensors
 from app.parallel.ps_server import ServerLinks
 from app.parallel.watch import SyncFailure, Watch
+from app.runtime.devices import WorkerEnv
 
 
 class ParameterServerSync:

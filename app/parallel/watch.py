@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from app.errors import first_line
+from app.runtime.errors import first_line
 
 POLL_S = 0.5  # how often a blocked wait looks at its peers
 PR_SET_PDEATHSIG = 1

@@ -1,0 +1,11 @@
+"""Where the images are and what they are: datasets.toml -> a DatasetRoot (catalog, storage,
+locations) -> the tables of [path, label] of each split (tables: Kaggle's LOC files and
+train_cls.txt; imagefolder: one folder per class; labels: wnids, words, --classes), the
+generated sample datasets (sample) and the list of skipped images (skipped).
+
+The face: Catalog. Imports only app.runtime and app.config. Nothing here imports torch.
+"""
+
+from app.catalog.catalog import Catalog
+
+__all__ = ["Catalog"]

@@ -1,0 +1,187 @@
+"""datasets.toml -> DatasetRoot: a named dataset opened as a root folder over an fsspec filesystem.
+
+Any fsspec URL works (a local path, file://, s3://, gs://, az://, memory://, ...). Entries either
+point at an existing ImageNet (`url`) or name a sample preset (`sample`) that is generated into a
+cache folder on first use; `layout` says how its labels are found (Kaggle's tables or one folder
+per class), `reader` who reads the images of an object store (obstore, or s3fs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from app.catalog import sample
+from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
+                                 DatasetRoot, scheme_of)
+from app.config.tomlfile import read_toml
+from app.runtime.errors import UserError, first_line
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# Keys an entry may have, with their types; anything else is a typo worth reporting.
+ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
+    "url": str, "url_env": str, "sample": str, "seed": int, "image_size": int,
+    "region": str, "profile": str, "endpoint_url": str, "anon": bool,
+    "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int, "layout": str,
+    "reader": str,
+}
+# What to check when an object store cannot be reached, by store.
+CREDENTIAL_HINTS = {
+    "s3": "the credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...), `region` and `endpoint_url`",
+    "gcs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default "
+           "login) and `endpoint_url`",
+    "azure": "the account and credentials (AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY"
+             ", managed identity) and `endpoint_url`",
+}
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: Path
+    entries: dict[str, dict[str, Any]]
+    default: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Catalog":
+        path = Path(path)
+        if not path.is_absolute() and not path.exists() and (PROJECT_ROOT / path).exists():
+            path = PROJECT_ROOT / path  # `datasets.toml` works from any folder
+        data = read_toml(path, "dataset catalog")
+        entries = data.get("datasets", {})
+        if not isinstance(entries, dict) or not entries:
+            raise UserError(f"{path}: no [datasets.NAME] entries; add at least one")
+        unknown_top = set(data) - {"default", "datasets"}
+        if unknown_top:
+            raise UserError(f"{path}: unknown top-level key `{sorted(unknown_top)[0]}`; "
+                            "expected `default` and [datasets.NAME] tables")
+        for name, entry in entries.items():
+            _check_entry(path, name, entry)
+        default = data.get("default", next(iter(entries)))
+        if default not in entries:
+            raise UserError(f"{path}: default = '{default}' is not an entry; known: "
+                            f"{', '.join(entries)}")
+        return cls(path, entries, default)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def open(self, name: str = "", report: Callable[[str], None] | None = None) -> DatasetRoot:
+        """Resolve an entry to its root; the root must exist (sample entries are generated on
+        first use, which is told to `report`)."""
+        name = name or self.default
+        if name not in self.entries:
+            raise UserError(f"unknown dataset '{name}' in {self.path}; known: "
+                            f"{', '.join(self.entries)}")
+        entry = self.entries[name]
+        if "sample" in entry:
+            layout = entry.get("layout", "kaggle")
+            folder = sample.ensure(entry.get("cache_dir") or sample.default_cache_dir(),
+                                   entry["sample"], entry.get("seed", 0), report, layout)
+            size = entry.get("image_size", sample.PRESETS[entry["sample"]].image_size)
+            return DatasetRoot(name, str(folder), {}, size, layout=layout)
+        url = self._url(name, entry)
+        root = DatasetRoot(name, url, _storage_options(url, entry), entry.get("image_size", 0),
+                           _reader_options(entry), entry.get("layout", "kaggle"),
+                           _store_options(url, entry))
+        try:
+            found = root.exists()
+            if found and root.reader == "obstore":
+                root.store  # noqa: B018 (its configuration and credentials are checked here)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 (botocore/aiohttp errors: say what to check)
+            hint = CREDENTIAL_HINTS.get(OBJECT_STORE_SCHEMES.get(scheme_of(url), ""), "the URL")
+            raise UserError(f"dataset '{name}': cannot reach {url} "
+                            f"({first_line(error, with_type=True)}); check {hint}") from None
+        if not found:
+            hint = (f"set {entry['url_env']} or " if entry.get("url_env") else "") + \
+                f"edit `url` of [datasets.{name}] in {self.path}"
+            raise UserError(f"dataset '{name}': root {url} not found; {hint}")
+        return root
+
+    def _url(self, name: str, entry: dict[str, Any]) -> str:
+        url = os.environ.get(entry.get("url_env", ""), "") or entry["url"]
+        if "://" in url:
+            return url
+        # Relative local paths are relative to the catalog file, not to where you run from.
+        return str((self.path.parent / Path(url).expanduser()).resolve())
+
+
+def _check_entry(path: Path, name: str, entry: Any) -> None:
+    where = f"{path}: [datasets.{name}]"
+    if not isinstance(entry, dict):
+        raise UserError(f"{where} must be a table")
+    for key, value in entry.items():
+        if key not in ENTRY_KEYS:
+            raise UserError(f"{where}: unknown key `{key}`; known: {', '.join(ENTRY_KEYS)}")
+        expected = ENTRY_KEYS[key]
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is int):
+            raise UserError(f"{where}: `{key}` has the wrong type ({type(value).__name__})")
+    if ("url" in entry) == ("sample" in entry):
+        raise UserError(f"{where}: give exactly one of `url` (existing data) or `sample` "
+                        f"(generated preset: {', '.join(sample.PRESETS)})")
+    if "sample" in entry and entry["sample"] not in sample.PRESETS:
+        raise UserError(f"{where}: unknown sample preset '{entry['sample']}'; known: "
+                        f"{', '.join(sample.PRESETS)}")
+    if entry.get("layout", "kaggle") not in LAYOUTS:
+        raise UserError(f"{where}: unknown layout '{entry['layout']}'; known: "
+                        f"{', '.join(LAYOUTS)}")
+    if "reader" in entry:
+        _check_reader(where, entry)
+
+
+def _check_reader(where: str, entry: dict[str, Any]) -> None:
+    reader, scheme = entry["reader"], scheme_of(entry.get("url", ""))
+    if reader not in READERS:
+        raise UserError(f"{where}: unknown reader '{reader}'; known: {', '.join(READERS)}")
+    store = OBJECT_STORE_SCHEMES.get(scheme)
+    if store is None or (reader == "s3fs" and store != "s3"):
+        readable = "s3:// URLs" if reader == "s3fs" else "s3://, gs:// and az:// URLs"
+        raise UserError(f"{where}: reader = \"{reader}\" reads only {readable}; remove "
+                        "`reader` for this url")
+
+
+def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """fsspec options from the entry. Credentials are never here: s3fs follows the standard
+    AWS chain (environment, shared config/profile, instance role)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return {}
+    concurrency = entry.get("concurrency", DEFAULT_CONCURRENCY)
+    # Retries nest (botocore inside s3fs inside app/data/reader.py), so each layer is short.
+    options: dict[str, Any] = {
+        "max_concurrency": 1,  # one GET per object, without a HEAD request first
+        "retries": 2,  # s3fs: dropped connections, SlowDown
+        "config_kwargs": {
+            "max_pool_connections": concurrency,  # botocore's default of 10 would cap it
+            "connect_timeout": 10, "read_timeout": 30,  # no request waits forever
+            "retries": {"max_attempts": 3, "mode": "standard"},  # 5xx and throttling
+            "response_checksum_validation": "when_required",
+        },
+    }
+    if entry.get("endpoint_url"):
+        options["endpoint_url"] = entry["endpoint_url"]
+    if entry.get("region"):
+        options["client_kwargs"] = {"region_name": entry["region"]}
+    if entry.get("profile"):
+        options["profile"] = entry["profile"]
+    if entry.get("anon"):
+        options["anon"] = True
+    return options
+
+
+def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry's settings for obstore's client (app/storage.py maps them): no credentials
+    here either."""
+    if scheme_of(url) not in OBJECT_STORE_SCHEMES:
+        return {}
+    return {key: entry[key] for key in ("endpoint_url", "region", "profile", "anon")
+            if key in entry}
+
+
+def _reader_options(entry: dict[str, Any]) -> dict[str, Any]:
+    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader")
+            if key in entry}

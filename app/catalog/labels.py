@@ -1,0 +1,95 @@
+"""What every dataset layout produces and checks the same way: the labelled frames, the class
+index, the selection of classes, and the rules that keep paths inside the dataset root.
+
+The layouts themselves: Kaggle's tables in app/tables.py, one folder per class in
+app/imagefolder.py.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pandas as pd
+
+from app.runtime.errors import UserError
+
+SYNSET_MAPPING = "LOC_synset_mapping.txt"  # "<wnid> <description>" lines, in label order
+# File names in the tables: letters, digits, '_', '-', '.'; never '..', '/' or a scheme.
+SAFE_NAME = r"(?!\.\.?$)[A-Za-z0-9_.\-]+"
+SAFE_ID = re.compile(rf"^{SAFE_NAME}$")
+# A listed path that stays inside the root: components without separators or control
+# characters, never '.' or '..' (pandas' str.fullmatch takes it as it is).
+_COMPONENT = r"(?!\.\.?(?:/|$))[^/\\\x00-\x1f\x7f]+"
+SAFE_PATH = rf"{_COMPONENT}(?:/{_COMPONENT})*"
+
+
+@dataclass(frozen=True)
+class Tables:
+    """What training needs from a dataset: the two labelled frames and the class names."""
+    train: pd.DataFrame
+    val: pd.DataFrame
+    wnids: list[str]
+    descriptions: list[str]
+    notes: tuple[str, ...] = ()  # warnings worth showing the user; the caller decides how
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.wnids)
+
+
+@dataclass(frozen=True)
+class ClassIndex:
+    """All classes of the dataset and the selected ones; label = position in `wnids`."""
+    known: frozenset[str]
+    wnids: list[str]
+    descriptions: list[str]
+
+
+Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index built already
+
+
+def select_classes(known: list[str], classes: int | list[str], source: str) -> list[str]:
+    """The selected wnids in the order of `known`: all (0), the first N, or a named list.
+    `source` names where the classes come from, for the messages."""
+    if isinstance(classes, int):
+        if classes > len(known):
+            raise UserError(f"classes = {classes}, but {source} lists only {len(known)}; "
+                            f"choose at most {len(known)}")
+        return known[:classes] if classes else known
+    if not classes:
+        raise UserError("classes is an empty list: it selects no classes; give wnids or a count")
+    unknown = [w for w in classes if w not in set(known)]
+    if unknown:
+        raise UserError(f"class {unknown[0]} is not in {source}; check the wnid")
+    chosen = set(classes)
+    return [w for w in known if w in chosen]
+
+
+def parse_synset_mapping(text: str, where: str) -> pd.DataFrame:
+    """Frame [wnid, description] in file order; `where` names the file in messages."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        wnid, _, description = line.strip().partition(" ")
+        if not SAFE_ID.match(wnid):
+            raise UserError(f"{where} line {number}: expected '<wnid> <description>', got "
+                            f"{line[:60]!r}")
+        rows.append((wnid, description.strip()))
+    mapping = pd.DataFrame(rows, columns=["wnid", "description"])
+    duplicated = mapping.wnid[mapping.wnid.duplicated()]
+    if len(duplicated):
+        raise UserError(f"{where}: wnid {duplicated.iloc[0]} is listed twice; each class must "
+                        "appear once")
+    if mapping.empty:
+        raise UserError(f"{where}: no classes listed")
+    return mapping
+
+
+def finish(frame: pd.DataFrame, where: str, check: str = "the table") -> pd.DataFrame:
+    """The [path, label] frame; an empty selection is the user's to fix."""
+    if frame.empty:
+        raise UserError(f"{where}: no images for the selected classes; check `classes` and "
+                        f"{check}")
+    return frame[["path", "label"]].reset_index(drop=True)

@@ -1,0 +1,56 @@
+"""Files and folders named by a local path or any fsspec URL (s3://, gs://, https://, ...), for
+what comes after training: weights to start from, models to load, images to classify. URLs go
+through app/storage.py's clients, as datasets do; credentials come from the same chains."""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+from app.catalog.storage import DatasetRoot, scheme_of
+from app.runtime.errors import UserError, first_line
+
+
+def is_local(location: str) -> bool:
+    return not scheme_of(location)
+
+
+def join(folder: str, name: str) -> str:
+    return str(Path(folder) / name) if is_local(folder) else f"{folder.rstrip('/')}/{name}"
+
+
+def _root(location: str) -> DatasetRoot:
+    return DatasetRoot("location", location.rstrip("/"))
+
+
+def is_folder(location: str) -> bool:
+    if is_local(location):
+        return Path(location).is_dir()
+    root = _root(location)
+    try:
+        return root.fs.isdir(root.root)
+    except OSError as error:
+        raise UserError(f"cannot reach {location}: {first_line(error, 120)}") from None
+
+
+def files_below(folder: str) -> list[str]:
+    """Every file below `folder` (hidden ones left out), sorted, as locations like `folder`."""
+    if is_local(folder):
+        found = [str(p) for p in Path(folder).rglob("*") if p.is_file()]
+    else:
+        found = [join(folder, relative) for relative in _root(folder).find("")]
+    return sorted(f for f in found if not posixpath.basename(f).startswith("."))
+
+
+def read_bytes(location: str) -> bytes:
+    try:
+        if is_local(location):
+            return Path(location).read_bytes()
+        parent, name = posixpath.split(location)
+        return DatasetRoot("location", parent).read_bytes(name)
+    except FileNotFoundError:
+        raise UserError(f"{location} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{location} is a folder") from None
+    except OSError as error:
+        raise UserError(f"cannot read {location}: {first_line(error, 120)}") from None

@@ -1,0 +1,203 @@
+"""A dataset's root folder on any fsspec filesystem (local path, file://, s3://, gs://, az://,
+memory://, ...), and the object-store client that reads its images.
+
+The one place that turns a URL into clients: everything below the catalog (tables, readers,
+pre-flight checks) reads through a DatasetRoot and never sees credentials or clients' options.
+Listing and the tables go through fsspec (s3fs for s3://; obstore's fsspec adapter for gs://
+and az://, so those need no further package); the per-image GETs of object stores go through
+obstore (app/data/object_store.py) unless the catalog entry says `reader = "s3fs"`.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from app.runtime.errors import UserError
+
+DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
+LAYOUTS = ("kaggle", "imagefolder")
+# URL schemes obstore reads, by store; the s3fs reader reads only S3.
+OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "az": "azure", "abfs": "azure",
+                        "abfss": "azure", "adl": "azure", "azure": "azure"}
+READERS = ("obstore", "s3fs")
+
+# obstore retries 5xx answers, throttling, dropped connections and timeouts itself, with
+# exponential backoff and jitter. Few retries each with short waits: the reader's own attempts
+# (app/data/reader.py) sit on top, and a permanently failing object must cost its batch only
+# a few seconds before it is skipped (3 attempts x 3 requests: at most 3.6 s of waiting).
+OBJECT_STORE_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=3),
+                      "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                  "max_backoff": timedelta(milliseconds=500), "base": 2}}
+OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no request waits forever
+
+
+@dataclass(frozen=True)
+class DatasetRoot:
+    """A dataset's root folder on some filesystem. Picklable: the filesystem and the object
+    store client are created lazily in each process that uses them (clients must not cross a
+    fork)."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec (s3fs) options
+    image_size: int = 0  # the dataset's natural training resolution (0: unknown)
+    options: dict[str, Any] = field(default_factory=dict)  # reader: cache, concurrency, reader
+    layout: str = "kaggle"  # how the tables are found: LAYOUTS
+    store_options: dict[str, Any] = field(default_factory=dict)  # obstore: endpoint, region, ...
+
+    @property
+    def fs(self):
+        return _filesystem(self.url, self.storage_options, self.store_options)[0]
+
+    @property
+    def root(self) -> str:
+        return _filesystem(self.url, self.storage_options, self.store_options)[1]
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    @property
+    def reader(self) -> str:
+        """Who reads the images: "obstore" or "s3fs" for object stores, "fsspec" otherwise."""
+        if scheme_of(self.url) not in OBJECT_STORE_SCHEMES:
+            return "fsspec"
+        return self.options.get("reader", "obstore")
+
+    @property
+    def store(self):
+        """The obstore client of this root's URL (its prefix included), for this process."""
+        return _object_store(self.url, self.store_options)
+
+    def path(self, relative: str) -> str:
+        return posixpath.join(self.root, relative)
+
+    def exists(self, relative: str = "") -> bool:
+        return self.fs.exists(self.path(relative) if relative else self.root)
+
+    def read_bytes(self, relative: str) -> bytes:
+        return self.fs.cat_file(self.path(relative))
+
+    def read_text(self, relative: str) -> str:
+        return self.read_bytes(relative).decode("utf-8")
+
+    def find(self, relative: str) -> list[str]:
+        """All files below `relative`, as paths relative to the root."""
+        return [self._relative(p) for p in self.fs.find(self.path(relative))]
+
+    def find_with_folders(self, relative: str) -> tuple[list[str], list[str]]:
+        """(files, folders) below `relative`, relative to the root; folders include empty ones
+        where the filesystem has folders of their own (local disks do, object stores do not)."""
+        found = self.fs.find(self.path(relative), withdirs=True, detail=True)
+        files, folders = [], []
+        for name, info in found.items():
+            (folders if info["type"] == "directory" else files).append(self._relative(name))
+        return sorted(files), sorted(folders)
+
+    def _relative(self, listed: str) -> str:
+        """A listed name relative to the root, as listed: not normalised, so a name with '..'
+        in it stays visible to the checks of the tables instead of turning into another
+        path."""
+        prefix = self.root.rstrip("/") + "/"
+        listed = listed.rstrip("/")
+        return listed[len(prefix):] if listed.startswith(prefix) else posixpath.relpath(
+            listed, self.root)
+
+    def describe(self, relative: str = "") -> str:
+        return self.url.rstrip("/") + ("/" + relative if relative else "")
+
+
+def scheme_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+_FILESYSTEMS: dict = {}
+_STORES: dict = {}
+
+
+def _filesystem(url: str, options: dict[str, Any], store_options: dict[str, Any]):
+    """One filesystem per (url, options, process): created after fork/spawn, never inherited."""
+    key = (url, repr(sorted(options.items())), repr(sorted(store_options.items())), os.getpid())
+    if key not in _FILESYSTEMS:
+        _FILESYSTEMS[key] = _open_filesystem(url, options, store_options)
+    return _FILESYSTEMS[key]
+
+
+def _open_filesystem(url: str, options: dict[str, Any], store_options: dict[str, Any]):
+    import fsspec  # noqa: PLC0415 (s3fs and friends load only for their protocol)
+    store = OBJECT_STORE_SCHEMES.get(scheme_of(url))
+    if store in ("gcs", "azure"):
+        from obstore.fsspec import FsspecStore  # noqa: PLC0415
+        settings = _store_settings(scheme_of(url), store_options)
+        return FsspecStore(scheme_of(url), **settings), url.split("://", 1)[1].rstrip("/")
+    # s3fs takes its retry count as an attribute, not as a constructor argument.
+    arguments = {k: v for k, v in options.items() if k != "retries"}
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **arguments)
+    except ImportError as error:
+        raise UserError(f"cannot open {url}: {error}; install the package it names") from None
+    except ValueError as error:
+        raise UserError(f"cannot open {url}: {error}") from None
+    if "retries" in options:
+        fs.retries = options["retries"]
+    return fs, root
+
+
+def _object_store(url: str, store_options: dict[str, Any]):
+    key = (url, repr(sorted(store_options.items())), os.getpid())
+    if key not in _STORES:
+        from obstore.store import from_url  # noqa: PLC0415
+        try:
+            _STORES[key] = from_url(url.rstrip("/"), **_store_settings(scheme_of(url),
+                                                                       store_options))
+        except ValueError as error:  # also obstore's configuration errors
+            raise UserError(f"cannot open {url} with obstore: {str(error).splitlines()[0]}"
+                            ) from None
+    return _STORES[key]
+
+
+def _store_settings(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """obstore keyword arguments from the entry's settings. Credentials come from each store's
+    own chain, never from here: AWS through boto3 (environment, `profile`, ~/.aws, SSO, instance
+    and container roles), Google's application default credentials, Azure's environment and
+    managed identity."""
+    endpoint = options.get("endpoint_url", "")
+    client = {**OBJECT_STORE_TIMEOUTS, "allow_http": endpoint.startswith("http://")}
+    settings: dict[str, Any] = {"client_options": client, "retry_config": OBJECT_STORE_RETRY}
+    config: dict[str, Any] = {"skip_signature": True} if options.get("anon") else {}
+    if OBJECT_STORE_SCHEMES.get(scheme) == "s3":
+        if endpoint:
+            config["endpoint"] = endpoint
+        if options.get("region"):
+            config["region"] = options["region"]
+        if not options.get("anon"):
+            settings["credential_provider"] = _aws_credentials(options.get("profile"))
+    elif endpoint:  # gs:// and az:// emulators or private endpoints
+        config["base_url" if OBJECT_STORE_SCHEMES.get(scheme) == "gcs" else "endpoint"] = endpoint
+    settings["config"] = config
+    return settings
+
+
+def _aws_credentials(profile: str | None):
+    """boto3's credential chain, the same one s3fs follows, refreshed as it expires."""
+    import boto3  # noqa: PLC0415
+    import botocore.exceptions  # noqa: PLC0415
+    from obstore.auth.boto3 import Boto3CredentialProvider  # noqa: PLC0415
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except botocore.exceptions.ProfileNotFound:
+        raise UserError(f"AWS profile '{profile}' not found in ~/.aws/config or "
+                        "~/.aws/credentials; check `profile` or AWS_CONFIG_FILE") from None
+    except ValueError:  # boto3 found no credentials at all
+        raise UserError("no AWS credentials found (environment, profile, ~/.aws, instance "
+                        "role); configure them, or set `anon = true` for a public bucket"
+                        ) from None
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

@@ -1,0 +1,261 @@
+"""From a parsed config to a running job: dataset, tables, run folder, resume point, workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shlex
+import socket
+import string
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlsplit
+
+from app.catalog import skipped
+from app.catalog import Catalog
+from app.catalog.tables import load_tables
+from app.config import Config
+from app.config.sources import dump_toml, parse_config
+from app.data.resolution import resolve
+from app.runtime import slurm
+from app.runtime.devices import LaunchEnv
+from app.runtime.errors import UserError
+from app.runtime.files import write_atomically
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.training.job import TrainJob
+
+if TYPE_CHECKING:
+    from app.parallel.restarts import Restart
+
+log = logging.getLogger("imagenet_dp")
+DEFAULT_IMAGE_SIZE = 224
+
+
+def main(argv: list[str]) -> int:
+    config, _ = parse_config(argv)
+    launch = LaunchEnv.from_environ(os.environ)
+    config = with_job_run_name(config, launch, os.environ)
+    if launch:
+        check_launched(config, launch)
+    job = prepare_job(config)
+    # torch and timm take seconds to import: only now, so mistakes above are reported at once.
+    from app.launch.worker import launched_process  # noqa: PLC0415
+    from app.parallel.plans import choose_sync  # noqa: PLC0415
+    from app.runtime.devices import worker_devices  # noqa: PLC0415
+    from app.training import preflight  # noqa: PLC0415
+    parallel = config.parallel
+    devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
+    mode = choose_sync(parallel.sync, devices, launch)
+    if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
+        check_pretrained(job, primary=not (launch and launch.rank))
+    write_run_folder(job)  # first: it also shows that the output folder is writable
+    preflight.check(job, saves=not (launch and launch.rank))
+    if launch:
+        code = launched_process(job, launch, launched_device(devices, launch))
+    else:
+        code = run_group(job, devices, mode)
+    if code == PREEMPTED_EXIT_CODE and not (launch and launch.rank):
+        print(resume_hint(job), file=sys.stderr)
+    return code
+
+
+def with_job_run_name(config: Config, launch: LaunchEnv | None, environ) -> Config:
+    """Inside a Slurm job, the job names the run unless --run-name does: every task agrees on
+    it without being told, and a requeued job (same id) continues it with --resume auto. Only
+    for a launched group or --resume auto: two plain runs in one allocation keep their own."""
+    name = slurm.run_name(environ)
+    if config.run.name or not name or not (launch or config.run.resume == "auto"):
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, name=name))
+
+
+def check_launched(config: Config, launch: LaunchEnv) -> None:
+    """What a process started by torchrun or srun cannot be asked for."""
+    if not config.run.name:
+        raise UserError(f"under {launch.launcher} pass --run-name: every process must agree on "
+                        "the run folder")
+    if config.run.max_restarts and launch.launcher == "srun":
+        raise UserError("under srun, Slurm starts the job again: submit it with sbatch "
+                        "--requeue and give the driver --resume auto instead of "
+                        "run.max_restarts")
+    if config.run.max_restarts:
+        raise UserError("under torchrun, torchrun restarts the processes: give it "
+                        "--max-restarts (before bin/driver.py) and give the driver --resume "
+                        "auto instead of run.max_restarts")
+    host = urlsplit(launch.init_method).hostname
+    if launch.launcher == "srun" and launch.rank == 0 and not slurm.is_this_machine(host):
+        # the others would wait for task 0 at `host` until --sync-timeout
+        raise UserError(f"task 0 runs on {socket.gethostname()}, but the tasks meet at {host} "
+                        "(the first node of the step): set MASTER_ADDR to task 0's host")
+    launch.check_one_device_each(config.parallel.gpus, config.parallel.devices)
+
+
+def check_pretrained(job: TrainJob, primary: bool) -> None:
+    """--pretrained weights that do not fit stop the run here, before any worker starts; a
+    re-initialised classifier is reported once (by the primary), not by every worker."""
+    from app.models import pretrained  # noqa: PLC0415
+    from app.models.factory import create_model_from_config  # noqa: PLC0415
+    model = create_model_from_config(dataclasses.replace(job.config.model, pretrained=""),
+                                     job.tables.num_classes)
+    warning = pretrained.check(model, job.config.model.pretrained, job.tables.wnids,
+                               job.config.run.evaluate, log.info if primary else print_nothing)
+    if warning and primary:
+        log.warning("%s", warning)
+
+
+def print_nothing(line: str) -> None:
+    """What the other ranks of a launched group report: the primary has said it."""
+
+
+def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
+    """The driver's worker processes; with --max-restarts N started again, after a failure,
+    from this run's newest checkpoint (app/parallel/restarts.py)."""
+    from app.launch.worker import train_process  # noqa: PLC0415
+    from app.parallel.launcher import Stopping, launch  # noqa: PLC0415
+    from app.parallel.restarts import run_with_restarts  # noqa: PLC0415
+    run = job.config.run
+    stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
+
+    def start(on_failure: Callable[[str], None]) -> int:
+        return launch(train_process, job, devices, mode, job.config.parallel, stopping,
+                      on_failure, replaceable=run.max_restarts > 0)
+
+    def prepare(restart: Restart) -> str:
+        nonlocal job
+        job = resumed_from_newest(job)
+        return record_restart(job, restart)
+
+    return run_with_restarts(start, run.max_restarts, prepare)
+
+
+def resumed_from_newest(job: TrainJob) -> TrainJob:
+    """The job continuing from this run's last.pt (unchanged while the run has none yet)."""
+    last = job.checkpoint_dir / "last.pt"
+    if not last.is_file():
+        return job
+    config = job.config
+    return dataclasses.replace(job, resume_from=str(last), config=dataclasses.replace(
+        config, run=dataclasses.replace(config.run, resume=str(last))))
+
+
+def record_restart(job: TrainJob, restart: Restart) -> str:
+    """The restart as a record in metrics.jsonl (`"event": "restart"`, at the step the group
+    continues from); returns where that is, in words."""
+    from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
+    from app.training import checkpoint  # noqa: PLC0415
+    state = checkpoint.load(job.resume_from, mmap=True) if job.resume_from else {"step": 0}
+    metrics = JsonlLogger(Path(job.run_dir) / "metrics.jsonl")
+    metrics.log_metrics(state["step"], {
+        "event": "restart", "restart": restart.number, "max_restarts": restart.limit,
+        "cause": restart.cause, "resume_from": job.resume_from, "backoff_s": restart.backoff_s})
+    metrics.finish()
+    if not job.resume_from:
+        return "from the start (no checkpoint yet)"
+    return f"from {job.resume_from} {position(state)}"
+
+
+def resume_hint(job: TrainJob) -> str:
+    """After a stop on request: where the checkpoint is and the command that continues."""
+    from app.training import checkpoint  # noqa: PLC0415
+    last = job.checkpoint_dir / "last.pt"
+    state = checkpoint.load(last, mmap=True)
+    command = shlex.join(["python", *sys.argv, "--resume", "auto", "--run-name",
+                          job.config.run.name])
+    return f"saved {last} {position(state)}; to continue: {command}"
+
+
+def position(state: dict) -> str:
+    """Where a checkpoint stands, in words."""
+    return (f"after step {state['step']} ({state['epoch_step']} steps into epoch "
+            f"{state['epoch'] + 1})")
+
+
+def launched_device(devices: list[str], launch: LaunchEnv) -> str:
+    """A launcher starts one process per GPU: the local rank picks it (or CPU when asked
+    for); under srun --gpus-per-task 1 the task sees only its own GPU."""
+    import torch  # noqa: PLC0415
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return launch.device(devices[0], visible, bound="SLURM_GPUS_PER_TASK" in os.environ)
+
+
+def prepare_job(config: Config) -> TrainJob:
+    """Resolve everything a worker needs: dataset, tables, image size, run name, resume."""
+    catalog = Catalog.load(config.data.catalog)
+    resume_from, name = resolve_resume(config)
+    root = catalog.open(config.data.dataset, report=log.info)
+    tables = load_tables(root, config.data.classes, config.data.train_index)
+    for note in tables.notes:
+        log.warning("%s", note)
+    data = config.data
+    image_size = data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    resolution = resolve(image_size, train_crop=data.train_crop_size,
+                         val_resize=data.val_resize_size, val_crop=data.val_crop_size,
+                         progressive=(data.progressive_start_size, data.progressive_end_size,
+                                      data.progressive_start_epoch, data.progressive_end_epoch))
+    name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.run.output_dir) / name
+    run_id = resumed_run_id(resume_from) or new_run_id()
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
+        run=dataclasses.replace(config.run, name=name, resume=resume_from))
+    return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id)
+
+
+def resolve_resume(config: Config) -> tuple[str, str]:
+    """(checkpoint to resume from or "", run name). `auto` means this run's last.pt, if any;
+    resuming from runs/<name>/checkpoints/X.pt continues run <name> unless --run-name says
+    otherwise."""
+    resume, name = config.run.resume, config.run.name
+    if resume == "auto":
+        if not name:
+            raise UserError("--resume auto needs --run-name (the run whose last.pt to continue)")
+        last = Path(config.run.output_dir) / name / "checkpoints" / "last.pt"
+        if not last.is_file():
+            log.info("--resume auto: no %s yet, starting a new run", last)
+            return "", name
+        return str(last), name
+    if resume:
+        path = Path(resume)
+        if not path.is_file():
+            raise UserError(f"--resume {resume}: no such checkpoint file")
+        if not name and path.parent.name == "checkpoints":
+            name = path.parent.parent.name
+        return str(path), name
+    return "", name
+
+
+def new_run_id() -> str:
+    """8 lowercase letters and digits, the shape of wandb's own run ids."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def resumed_run_id(checkpoint_path: str) -> str:
+    """The run id stored in the checkpoint we resume from ("" for a fresh start), so a resumed
+    run continues the same wandb run. Also rejects a broken checkpoint before any process
+    starts."""
+    if not checkpoint_path:
+        return ""
+    from app.training import checkpoint  # noqa: PLC0415 (imports torch: only when resuming)
+    return checkpoint.load(checkpoint_path, mmap=True).get("run_id", "")
+
+
+def write_run_folder(job: TrainJob) -> None:
+    """Create runs/<name>/ with the resolved config.toml (atomically: several processes under
+    a launcher write it at once) and the header of skipped.tsv."""
+    path = Path(job.run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        write_atomically(path / "config.toml", dump_toml(job.config))
+        skipped.create(path)
+    except OSError as error:
+        raise UserError(f"cannot write the run folder {path}: {error.strerror}; choose another "
+                        "--output-dir") from None
+    log.info("run %s: %s, %d classes, %d train / %d val images, %s, outputs in %s",
+             job.config.run.name, job.root.name, job.tables.num_classes, len(job.tables.train),
+             len(job.tables.val), job.resolution.describe(job.config.train.epochs), path)

@@ -1,0 +1,50 @@
+"""One training worker, assembled in its own process: connect to the peers, build the loggers
+(the primary only), train, say goodbye. The launcher (app/parallel/launcher.py) starts it;
+torchrun or srun starts it directly."""
+
+from __future__ import annotations
+
+import sys
+
+from app.loggers import NullLogger, build_loggers
+from app.parallel.plans import SyncPlan, launched_plan
+from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
+from app.runtime.devices import LaunchEnv, WorkerEnv, use_device
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
+from app.training.job import TrainJob
+from app.training.trainer import Stopped, train_worker
+
+
+@peer_loss_as_sync_failure()
+def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
+    """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
+    use_device(env.device, cpu_workers)
+    sync = plan.connect(env)
+    # Without a driver above the workers (one process, torchrun, srun), each process listens for
+    # signals itself and the workers agree every step.
+    own = None if plan.requests else AgreedRequests(sync, env.world_size,
+                                                    job.config.run.checkpoint_interval)
+    loggers = build_loggers(job.run_info()) if env.is_primary else NullLogger()
+    try:
+        if env.is_primary:
+            loggers.log_config(job.config.to_dict())
+        outcome = train_worker(job, env, sync, loggers, plan.requests or own)
+    finally:
+        loggers.finish()
+        if own:
+            own.restore()
+    sync.close()
+    return PREEMPTED_EXIT_CODE if isinstance(outcome, Stopped) else 0
+
+
+def launched_process(job: TrainJob, launch: LaunchEnv, device: str) -> int:
+    """Under torchrun or srun this process is one worker; the launcher watches the processes
+    (torchrun --max-restarts starts them all again when one fails; Slurm ends the step)."""
+    env = WorkerEnv(rank=launch.rank, world_size=launch.world_size, device=device)
+    try:
+        return train_process(job, env, launched_plan(device, job.config.parallel,
+                                                     launch.init_method),
+                             cpu_workers=launch.local_world_size)
+    except SyncFailure as failure:  # the launcher names the rank that died; this one lost it
+        print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
+        return 1

@@ -1,0 +1,129 @@
+"""Models by name: any timm model, plus `<resnet>_small` variants for low-resolution images.
+
+Options reach timm.create_model as its own keyword arguments: --drop-path is its
+drop_path_rate (stochastic depth, rising linearly over the blocks), --model-kwargs any other
+(`aa_layer=blurpool` for anti-aliased downsampling). timm's ResNets start with the last
+BatchNorm of each residual block at zero (its zero_init_last=True): each block begins as the
+identity, as in Goyal et al. and torchvision's recipes; `zero_init_last=False` turns it off.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+import timm
+import torch.nn as nn
+from timm.layers.blur_pool import _normalize_aa_layer
+from timm.models.resnet import ResNet
+
+from app.models.pretrained import load_pretrained
+from app.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from app.config import ModelConfig
+
+SMALL_SUFFIX = "_small"
+
+
+def group_norm(channels: int, **factory) -> nn.GroupNorm:
+    """GroupNorm with up to 32 groups: its output does not depend on how a batch is split.
+    `factory` takes timm's device/dtype arguments."""
+    return nn.GroupNorm(math.gcd(32, channels), channels, **factory)
+
+
+NORM_LAYERS = {"batch": None, "group": group_norm}  # None: the model's own (BatchNorm)
+
+
+def parse_model_kwargs(items: list[str]) -> dict[str, Any]:
+    """`key=value` items -> keyword arguments, as timm's train.py reads its --model-kwargs:
+    a value is a Python literal where it is one (0.1, True, None, (2, 2)), else a string
+    (blurpool)."""
+    kwargs = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--model-kwargs: expected key=value, got {item!r}")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = text.strip()
+    return kwargs
+
+
+def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """timm's ResNet stem asks issubclass(aa_layer, ...), so a name must become a class first;
+    timm's own resolver knows its names (avg, blur/blurpool, blurpc)."""
+    if isinstance(kwargs.get("aa_layer"), str):
+        try:
+            return {**kwargs, "aa_layer": _normalize_aa_layer(kwargs["aa_layer"])}
+        except AssertionError:
+            raise UserError(f"--model-kwargs aa_layer={kwargs['aa_layer']}: unknown "
+                            "anti-aliasing layer; timm knows avgpool, blurpool, blurpc") from None
+    return kwargs
+
+
+def create_model_from_config(config: ModelConfig, num_classes: int,
+                             with_pretrained: bool = True) -> nn.Module:
+    """The run's model; with --pretrained, loaded from those weights (app/pretrained.py:
+    the driver checked them and reported a re-initialised classifier before any worker
+    started, so here it happens silently, the same on every worker). A resumed run passes
+    `with_pretrained=False`: its checkpoint holds the weights, so the source is not read
+    again (and need not exist any more)."""
+    model = create_model(config.arch, num_classes, config.norm, drop_path=config.drop_path,
+                         model_kwargs=parse_model_kwargs(config.model_kwargs))
+    if config.pretrained and with_pretrained:
+        load_pretrained(model, config.pretrained)
+    return model
+
+
+def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path: float = 0.0,
+                 model_kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """A freshly initialised model. `resnet18_small` (or any plain timm ResNet + `_small`) has
+    a 3x3 stride-1 stem and no max-pool, as CIFAR-style ResNets use for 32-64 px inputs; its
+    state_dict keys are those of the timm ResNet it is made from."""
+    base = name.removesuffix(SMALL_SUFFIX)
+    if not timm.is_model(base):
+        close = difflib.get_close_matches(base, timm.list_models(), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models()"
+        raise UserError(f"unknown model '{name}'; {hint}")
+    user = resolve_layer_names(model_kwargs or {})
+    kwargs = dict(user)
+    if NORM_LAYERS[norm]:
+        kwargs["norm_layer"] = NORM_LAYERS[norm]
+    if drop_path:  # only when asked: the default stays valid for models without the option
+        kwargs["drop_path_rate"] = drop_path
+    try:
+        model = timm.create_model(base, pretrained=False, num_classes=num_classes, **kwargs)
+    except TypeError as error:
+        message = rejected_option(name, norm, user, error)
+        if message is None:
+            raise  # nothing the user chose: a programming error
+        raise UserError(message) from None
+    if name.endswith(SMALL_SUFFIX):
+        if not isinstance(model, ResNet) or not isinstance(model.conv1, nn.Conv2d):
+            raise UserError(f"'{name}': the {SMALL_SUFFIX} variant exists only for plain-stem "
+                            "ResNets (resnet18, resnet34, resnet50, ...)")
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def rejected_option(name: str, norm: str, user: dict[str, Any], error: TypeError
+                    ) -> str | None:
+    """The one-line message for an option the model's constructor refused (a TypeError);
+    None when the user chose no option."""
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    key = found.group(1) if found else ""
+    if key in user:
+        return f"model '{name}' has no option '{key}' (--model-kwargs {key}=...)"
+    if key == "drop_path_rate":
+        return f"model '{name}' does not accept --drop-path"
+    if key == "norm_layer" or norm != "batch":
+        return f"model '{name}' does not accept norm = '{norm}'"
+    if user:
+        return f"model '{name}' rejected --model-kwargs {', '.join(user)}: {error}"
+    return None

@@ -1,0 +1,103 @@
+"""A worker's state <-> a checkpoint, collective parts included.
+
+Trainer.state_dict() is what one worker holds; saving is collective because a checkpoint
+gathers from every worker what differs between them: each replica's BatchNorm running
+statistics and RNG states ("replica", kept per worker) and the epoch's running sums (summed).
+The primary writes. Loading hands each worker its own replica entry back, and the summed epoch
+sums to the primary only, so they are counted once. Data order and augmentation need no saved
+state beyond (epoch, epoch_step): they are functions of (seed, epoch, image)
+(app/data/sampler.py), so the loader processes hold nothing that matters. The EMA's
+weights are identical on every replica (saved once); its BatchNorm statistics are replica
+state like the model's.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from app.parallel import GradientSync
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.training import checkpoint
+from app.training.ema import ModelEma
+from app.training.job import TrainJob
+
+log = logging.getLogger("imagenet_dp")
+
+
+def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: bool
+         ) -> Path | None:
+    """Every worker calls this at the same step; the primary writes step-N.pt and points
+    last.pt (and, when `best`, best.pt) at it. Returns that path on the primary."""
+    replicas = sync.gather(_to_bytes(state["replica"]))
+    epoch_sums = sync.sum_across_workers(state["epoch_sums"]).cpu()
+    if not env.is_primary:
+        return None
+    payload = {**{k: v for k, v in state.items() if k != "replica"},
+               "epoch_sums": epoch_sums, "replicas": replicas,
+               "arch": job.config.model.arch, "num_classes": job.tables.num_classes,
+               # what the class indices mean, for predict and export (no dataset needed)
+               "class_names": list(job.tables.wnids),
+               "class_words": list(job.tables.descriptions),
+               "config": job.config.to_dict(), "run_id": job.run_id}
+    folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints)
+    return folder.save(payload, state["step"], best=best)
+
+
+def load(path: str, env: WorkerEnv) -> dict:
+    """This worker's state from a checkpoint: its own replica entry when the checkpoint was
+    written by as many workers, otherwise the primary's (the run continues, not bit-exactly)."""
+    state = checkpoint.load(path)
+    replicas = state.pop("replicas", None) or []
+    if replicas:
+        mine = replicas[env.rank] if len(replicas) == env.world_size else replicas[0]
+        state["replica"] = _from_bytes(mine)
+    if not env.is_primary:
+        state.pop("epoch_sums", None)  # counted once, by the primary
+    return state
+
+
+def replica_buffers(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """The floating-point buffers (BatchNorm statistics) that differ between replicas until
+    averaged at an epoch's end, of each model under its key prefix ("" and "ema.")."""
+    return {prefix + name: buffer.detach().cpu().clone()
+            for prefix, model in models.items()
+            for name, buffer in model.named_buffers() if buffer.is_floating_point()}
+
+
+def restore_replica_buffers(models: dict[str, nn.Module], saved: dict[str, torch.Tensor]
+                            ) -> None:
+    buffers = {prefix + name: buffer for prefix, model in models.items()
+               for name, buffer in model.named_buffers()}
+    with torch.no_grad():
+        for name, values in saved.items():
+            if name in buffers:  # an EMA's, saved by a run with --model-ema, resumed without
+                buffers[name].copy_(values)
+
+
+def load_ema(ema: ModelEma, state: dict, path: str, required: bool) -> None:
+    """The checkpoint's EMA into `ema`; a checkpoint without one starts it from the weights
+    at the next update, unless the EMA is what was asked for (-e --use-ema)."""
+    if state.get("ema"):
+        ema.load_state_dict(state["ema"])
+    elif required:
+        raise UserError(f"{path} has no EMA weights (it was trained without --model-ema); "
+                        "evaluate it without --use-ema")
+    else:
+        log.info("%s has no EMA weights: the average starts from the weights", path)
+
+
+def _to_bytes(value: dict) -> bytes:
+    """Plain bytes travel through any GradientSync's gather; weights_only reads them back."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -1,0 +1,350 @@
+"""One worker's training. The Trainer owns the worker's state (model, optimizer, LR schedule,
+grad scaler, precision, input pipelines, position, epoch sums) and runs its loop.
+
+The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
+save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
+forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
+`precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
+on the device and are fetched every print interval, not every step. Both input pipelines are
+opened before the first step, so what they reserve for the run is taken at its start.
+With --accum-steps K an optimizer step takes K batches (app/accumulation.py); steps count those.
+With --model-ema a moving average of the weights (app/ema.py) follows each step, is evaluated
+beside them every epoch, and is part of the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.catalog.skipped import SkippedLog, check_bad_fraction
+from app.data.batch_augment import BatchAugment
+from app.data.pipeline import DeviceBatch
+from app.loggers import Logger, NullLogger
+from app.models.factory import create_model_from_config
+from app.parallel import GradientSync
+from app.runtime.devices import WorkerEnv
+from app.runtime.interrupts import NoRequests, Requests
+from app.training import checkpoint, preflight, run_state
+from app.training.accumulation import Accumulation
+from app.training.ema import build_ema
+from app.training.evaluate import evaluate
+from app.training.job import TrainJob
+from app.training.losses import build_criterion
+from app.training.optim import build_optimizer, build_scheduler, clip_gradients, restore_scheduler
+from app.training.precision import Precision
+from app.training.speed import (CompiledForFullBatches, compile_enabled, compiled_graphs,
+                                configure_backends)
+from app.training.tally import Tally
+from app.training.worker_pipelines import build_pipelines
+
+log = logging.getLogger("imagenet_dp")
+
+
+@dataclass
+class Position:
+    epoch: int = 0  # epochs completed
+    epoch_step: int = 0  # optimizer steps done in the current epoch (non-zero: mid-epoch)
+    step: int = 0  # optimizer steps taken
+
+
+@dataclass(frozen=True)
+class Finished:
+    metrics: dict  # the last epoch's metrics (or the evaluation's)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    step: int  # stopped on request after this step, with a checkpoint saved
+
+
+Outcome = Finished | Stopped
+
+
+def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
+                 requests: Requests | None = None) -> Outcome:
+    """Train (or only evaluate) as configured, continuing from job.resume_from if given."""
+    trainer = Trainer(job, env, sync, logger, requests or NoRequests())
+    try:
+        if job.resume_from:
+            trainer.load_state_dict(run_state.load(job.resume_from, env))
+        if job.config.run.evaluate:
+            return Finished(trainer.evaluate_and_log())
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    def __init__(self, job: TrainJob, env: WorkerEnv, sync: GradientSync,
+                 logger: Logger | None = None, requests: Requests | None = None):
+        config = job.config
+        self.job, self.env, self.sync = job, env, sync
+        self.logger = logger or NullLogger()
+        self.requests = requests or NoRequests()
+        self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
+                                               env.device, config.train.dtype)
+        configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
+        torch.manual_seed(config.train.seed)  # identical initial weights on every replica
+        model = self.precision.prepare_model(create_model_from_config(
+            config.model, job.tables.num_classes, with_pretrained=not job.resume_from))
+        self.train_data, self.val_data = build_pipelines(job, env, self.precision)
+        self.accumulation = Accumulation(config.train.accum_steps,
+                                         self.train_data.steps_per_epoch())
+        self.scaler = self.precision.grad_scaler()
+        global_batch = config.train.batch_size * env.world_size * config.train.accum_steps
+        self.optimizer = build_optimizer(model, config.optim, global_batch,
+                                         fused=self.scaler is not None)
+        self.scheduler = build_scheduler(self.optimizer, config.optim,
+                                         self.accumulation.steps_per_epoch, config.train.epochs)
+        self.ema = build_ema(model, config.train.model_ema or config.run.use_ema,
+                             config.train.model_ema_decay, config.train.model_ema_steps,
+                             global_batch, config.train.epochs, config.optim.warmup_epochs,
+                             self.accumulation.steps_per_epoch)
+        # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
+        self.criterion = build_criterion(config.model, config.optim.label_smoothing)
+        self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
+                                                      config.train.seed, env.rank)
+        self.position = Position()
+        self.best_top1 = -1.0
+        self.epoch_sums = Tally(self.precision.device)
+        self.interval = Tally(self.precision.device)
+        self.skipped = SkippedLog(job.run_dir)
+        if env.is_primary and not config.run.evaluate:
+            preflight.check_room_for_checkpoints(job, model)
+        self.model = sync.prepare(model, self.ema.module if self.ema else None)
+        self.compiling = compile_enabled(config.train.compile, self.precision.device)
+        self.compiled_sizes: set[int] = set()  # train sizes whose first step was reported
+        if self.compiling:  # after prepare: torch.compile wraps DDP, not the other way round
+            sizes = len(job.resolution.train.distinct(config.train.epochs)) + 1  # + val
+            self.model = CompiledForFullBatches(self.model, config.train.batch_size,
+                                                config.train.compile_backend, sizes)
+
+    # --- state: what a checkpoint holds (app/run_state.py writes and reads it) -------------
+
+    def state_dict(self) -> dict:
+        self.interval.move_into(self.epoch_sums)  # a checkpoint holds every image counted
+        bare = checkpoint.unwrap(self.model)
+        return {
+            "model": bare.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+            "ema": self.ema.state_dict() if self.ema else None,
+            "epoch": self.position.epoch, "epoch_step": self.position.epoch_step,
+            "step": self.position.step, "best_top1": self.best_top1,
+            "epoch_sums": self.epoch_sums.as_tensor(),  # this worker's share
+            "replica": {"buffers": run_state.replica_buffers(self.replica_models()),
+                        "rng": checkpoint.rng_states(self.precision.device)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        checkpoint.load_model_weights(self.model, state["model"], self.job.resume_from)
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_scheduler(self.scheduler, state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.position = Position(state["epoch"], self.accumulation.resumed_epoch_step(state),
+                                 state["step"])
+        self.best_top1 = state["best_top1"]
+        if "epoch_sums" in state:
+            self.epoch_sums.load(state["epoch_sums"])
+        if self.ema:
+            run_state.load_ema(self.ema, state, self.job.resume_from, self.job.config.run.use_ema)
+        replica = state.get("replica")
+        if replica:
+            run_state.restore_replica_buffers(self.replica_models(), replica["buffers"])
+            checkpoint.set_rng_states(replica["rng"], self.precision.device)
+
+    def replica_models(self) -> dict[str, torch.nn.Module]:
+        """The models whose BatchNorm statistics each replica keeps, by key prefix."""
+        models = {"": checkpoint.unwrap(self.model)}
+        if self.ema:
+            models["ema."] = self.ema.module
+        return models
+
+    def save(self, top1: float | None = None) -> Path | None:
+        """Collective: every worker calls it at the same step. Returns the checkpoint's path
+        on the primary (None elsewhere)."""
+        best = top1 is not None and top1 > self.best_top1
+        if best:
+            self.best_top1 = top1
+        return run_state.save(self.state_dict(), self.sync, self.env, self.job, best)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def fit(self) -> Outcome:
+        self.open_pipelines()
+        self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
+        metrics: dict = {}
+        while self.position.epoch < self.job.config.train.epochs:
+            started = time.perf_counter()
+            if not self.train_epoch():
+                return Stopped(self.position.step)
+            metrics = self.end_epoch(started)
+        return Finished(metrics)
+
+    def open_pipelines(self) -> None:
+        """Both pipelines take what they hold for the run now, at the positions they will
+        first be asked for (train where training goes on, val at its one pass): out of memory
+        then ends the run before its first step, not at the first evaluation, after training
+        has grown torch's allocator."""
+        if self.position.epoch < self.job.config.train.epochs:
+            self.train_data.open(self.position.epoch,
+                                 self.accumulation.first_batch(self.position.epoch_step))
+            self.val_data.open(0)
+
+    def train_epoch(self) -> bool:
+        """Train the rest of the current epoch; False when stopped on request."""
+        self.model.train()
+        epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
+        steps = self.accumulation.steps_per_epoch
+        size = self.image_size(epoch)
+        started = tick = time.perf_counter()
+        for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
+                                                          self.position.epoch_step):
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            step_started = time.perf_counter()
+            loss = self.train_step(batch, micro, last)
+            if (self.compiling and size not in self.compiled_sizes
+                    and len(batch) == self.job.config.train.batch_size):
+                self.report_compile_time(step_started, size)
+            self.interval.add(loss, len(batch), len(batch.skipped))
+            self.skipped.add(epoch + 1, "train", batch.skipped)
+            if not last:  # saves, stops and logs only between optimizer steps
+                continue
+            self.position.step += 1
+            self.position.epoch_step += 1
+            if self.ema:
+                self.ema.after_step(self.position.epoch_step - 1, self.position.step)
+            if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
+                now = time.perf_counter()
+                self.log_interval(lr, now - tick, now - started)
+                tick = now
+            action = self.requests.poll(self.env.rank, self.position.step)
+            if action.save:
+                self.save()
+            if action.stop:
+                return False
+        return True
+
+    def train_step(self, batch: DeviceBatch, micro: int = 0, last: bool = True
+                   ) -> torch.Tensor | None:
+        """Micro-batch `micro` of an optimizer step, the step itself after its `last`; returns
+        this worker's mean loss (on the device; None without images). The seam: gradients
+        ready -> sync -> optimizer step."""
+        images = len(batch)
+        loss = None
+        with self.sync.step(images, last) as loss_scale:
+            if images:  # a worker without usable images still takes part in the sync
+                # seeded per micro-batch (the step's number without accumulation)
+                seed_step = self.position.step * self.accumulation.micro_batches + micro
+                inputs, targets = self.batch_augment(batch.images, batch.labels, seed_step)
+                with self.precision.autocast():
+                    loss = self.criterion(self.model(inputs), targets)
+                scaled = loss * loss_scale if loss_scale != 1.0 else loss
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if last:
+            self.optimizer_step()
+        return loss.detach() if loss is not None else None
+
+    def optimizer_step(self) -> None:
+        if self.sync.finish_step():  # every .grad is now the average over all workers' images
+            clip_gradients(self.optimizer, self.job.config.optim.clip_grad_norm, self.scaler)
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def image_size(self, epoch: int) -> int:
+        return self.job.resolution.train.at(epoch)
+
+    def report_compile_time(self, step_started: float, size: int) -> None:
+        """The first compiled step at each train size includes the compilation (about a minute
+        for a ResNet-50): worth a record of its own, with the count of compiled graphs (one
+        per region, mode and size, never one per step). Waits for the device once per size."""
+        self.compiled_sizes.add(size)
+        if self.precision.device.type == "cuda":
+            torch.cuda.synchronize(self.precision.device)
+        seconds = time.perf_counter() - step_started
+        graphs = compiled_graphs()
+        log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
+                 "so far: %d", size, seconds, graphs)
+        # recorded at the optimizer step this batch belongs to (counted after its last batch)
+        self.logger.log_metrics(self.position.step + 1, {"compile/first_step_s": seconds,
+                                                         "compile/graphs": graphs,
+                                                         "train/image_size": size})
+
+    def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
+        """The print interval's mean loss: the one device->host copy of the interval."""
+        images = self.interval.images
+        loss = self.interval.loss_sum.item() / max(images, 1)
+        self.interval.move_into(self.epoch_sums)
+        self.logger.log_metrics(self.position.step, {
+            "epoch": self.position.epoch + 1, "train/loss": loss, "train/lr": lr,
+            "train/images_per_sec": images * self.env.world_size / seconds,
+            "progress/epoch_step": self.position.epoch_step,
+            "progress/epoch_steps": self.accumulation.steps_per_epoch,
+            "progress/epoch_time_s": epoch_seconds})
+
+    def end_epoch(self, started: float) -> dict:
+        """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics."""
+        self.interval.move_into(self.epoch_sums)
+        loss_sum, images, skipped = self.sync.sum_across_workers(
+            self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
+        self.epoch_sums = Tally(self.precision.device)
+        for model in self.replica_models().values():
+            self.sync.average_buffers(model)
+        val = self.evaluate()
+        if self.ema:  # the same images: their counts and skips are the raw pass's
+            ema = self.evaluate(self.ema.module, record_skipped=False)
+            val |= {f"val_ema/{key}": ema[f"val/{key}"] for key in ("top1", "top5", "loss")}
+        self.position = Position(self.position.epoch + 1, 0, self.position.step)
+        metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
+                   "train/images": int(images), "train/skipped": int(skipped),
+                   "train/image_size": self.image_size(self.position.epoch - 1), **val}
+        path = self.save(top1=self.best_of(metrics))
+        metrics["epoch/time_s"] = time.perf_counter() - started
+        self.logger.log_metrics(self.position.step, metrics)
+        every = self.job.config.logging.save_weights_every
+        if path and every and self.position.epoch % every == 0:
+            self.logger.log_artifact(path, f"weights-{self.job.run_id}", "model",
+                                     aliases=(f"epoch-{self.position.epoch}",))
+        check_bad_fraction(metrics, self.job.config.data.max_bad_fraction, self.job.run_dir)
+        return metrics
+
+    def best_of(self, metrics: dict) -> float:
+        """The top-1 that decides best.pt: the better of the raw and the EMA weights."""
+        top1, ema_top1 = metrics["val/top1"], metrics.get("val_ema/top1", float("nan"))
+        if ema_top1 > top1:  # False for NaN: no EMA, or no val image
+            if self.env.is_primary and ema_top1 > self.best_top1:
+                log.info("epoch %d: the EMA weights rate best (top-1 %.4f, raw %.4f); best.pt "
+                         "ranks by them", self.position.epoch, ema_top1, top1)
+            return ema_top1
+        return top1
+
+    def evaluate(self, model: torch.nn.Module | None = None, record_skipped: bool = True
+                 ) -> dict:
+        """The val metrics of the trained model, or of `model` (the EMA's)."""
+        epoch = self.position.epoch + 1  # the epoch this evaluation ends
+        return evaluate(model or self.model, self.val_data.epoch(0), self.precision, self.sync,
+                        on_skipped=(lambda images: self.skipped.add(epoch, "val", images))
+                        if record_skipped else None,
+                        flip_tta=self.job.config.augment.val_flip_tta)
+
+    def evaluate_and_log(self) -> dict:
+        if self.job.config.run.use_ema:
+            log.info("evaluating the EMA weights of %s", self.job.resume_from)
+        metrics = self.evaluate(self.ema.module if self.job.config.run.use_ema else None)
+        self.logger.log_metrics(self.position.step, {"epoch": self.position.epoch, **metrics})
+        return metrics
+
+    def close(self) -> None:
+        self.train_data.close()
+        self.val_data.close()

@@ -1,0 +1,38 @@
+"""A worker's two input pipelines, built from the job: the recipes (augmentations, sizes per
+epoch), this worker's share of the batches and the decoder the config names."""
+
+from __future__ import annotations
+
+from app.data.augment import EvalRecipe, TrainRecipe
+from app.data.decoders import build_pipeline
+from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
+from app.data.sampler import ShardedBatches
+from app.runtime.devices import WorkerEnv
+from app.training.job import TrainJob
+from app.training.precision import Precision
+
+
+def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
+                    ) -> tuple[InputPipeline, InputPipeline]:
+    """This worker's train and val pipelines, with the decoder the config names."""
+    config = job.config
+    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
+    batch_size, workers = config.train.batch_size, config.data.workers
+    augment = config.augment  # --ra-reps counts only with --ra-sampler, as in torchvision
+    repetitions = augment.ra_reps if augment.ra_sampler else 1
+    recipe = TrainRecipe.for_sizes(job.resolution.train, auto_augment=augment.auto_augment,
+                                   ra_magnitude=augment.ra_magnitude)
+    train = PipelineSpec(job.root, job.tables.train, recipe,
+                         ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
+                                        world_size=env.world_size, seed=config.train.seed,
+                                        repetitions=repetitions),
+                         workers, form)
+    sizes = job.resolution
+    val = PipelineSpec(job.root, job.tables.val, EvalRecipe(sizes.val_crop,
+                                                            sizes.val_crop_fraction),
+                       ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,
+                                      world_size=env.world_size, shuffle=False),
+                       workers, form)
+    options = {"hw_decoder_load": config.data.hw_decoder_load}
+    return (build_pipeline(config.data.decoder, train, **options),
+            build_pipeline(config.data.decoder, val, **options))
