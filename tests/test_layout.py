@@ -3,6 +3,7 @@ layers in their order, and every name table agreeing with the config's choices."
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 from app.config import Config
@@ -11,7 +12,9 @@ from app.data.decoders import DECODERS
 from app.loggers import LOGGERS
 from app.parallel.plans import SYNC_MODES
 
-APP = Path(__file__).resolve().parents[1] / "app"
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "app"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 MAX_LINES = 350
 
 
@@ -77,16 +80,58 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
 
 
-def test_layers_import_only_downwards():
-    graph = import_graph()
-    # the catalog and the tables sit below the data pipeline, the model and the loop
-    for low in ("app.catalog.catalog", "app.catalog.tables", "app.catalog.storage"):
-        above = ("app.data", "app.training", "app.parallel")
-        assert not {t for t in graph[low] if t.startswith(above)}
-    # the process supervisor knows nothing of training or logging
-    parallel = {t for m, targets in graph.items() if m.startswith("app.parallel")
-                for t in targets}
-    assert not {t for t in parallel if t.startswith(("app.training", "app.loggers", "app.launch"))}
+def floors_from_architecture_doc() -> dict[str, int]:
+    """The floors of docs/architecture.md's table, ground first: `| 3 | app/data/ | ...`."""
+    rows = re.findall(r"^\| *(\d+) *\| *`?app/(\w+)/`? *\|", ARCHITECTURE.read_text(), re.M)
+    return {f"app.{package}": int(floor) for floor, package in rows}
+
+
+def package_of(module: str) -> str:
+    """app.training.trainer -> app.training; app (the top __init__) stays app."""
+    return ".".join(module.split(".")[:2])
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Imports of a package on the same floor or above the importer's own (the top-level
+    `app` face sits above every package: it may import them all, none may import it)."""
+    top = max(floors.values()) + 1
+    floor = {**floors, "app": top}
+    found = []
+    for module, targets in sorted(graph.items()):
+        own = package_of(module)
+        for target in sorted(targets):
+            other = package_of(target)
+            if other != own and floor[other] >= floor[own]:
+                found.append(f"{module} (floor {floor[own]}) imports {target} "
+                             f"(floor {floor[other]})")
+    return found
+
+
+def test_every_package_is_on_a_floor():
+    packages = {f"app.{p.name}" for p in APP.iterdir() if (p / "__init__.py").exists()}
+    assert set(floors_from_architecture_doc()) == packages
+
+
+def test_packages_import_only_packages_on_lower_floors():
+    """TYPE_CHECKING and in-function imports count as well (imports_of reads every import)."""
+    assert upward_imports(import_graph(), floors_from_architecture_doc()) == []
+
+
+def test_the_floor_rule_finds_an_upward_and_a_sideways_import():
+    floors = {"app.low": 0, "app.mid": 1, "app.side": 1, "app.high": 2}
+    graph = {"app.low.a": {"app.high.b"}, "app.mid.c": {"app.side.d", "app.low.a", "app.mid.e"},
+             "app.high.b": {"app.mid.c", "app.low.a"}, "app.side.d": set(), "app.mid.e": set(),
+             "app.low": {"app"}}
+    assert upward_imports(graph, floors) == [
+        "app.low (floor 0) imports app (floor 3)",
+        "app.low.a (floor 0) imports app.high.b (floor 2)",
+        "app.mid.c (floor 1) imports app.side.d (floor 1)"]
+
+
+def test_every_package_says_what_it_owns_and_may_import():
+    for init in APP.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "Imports" in doc, init
 
 
 def test_no_module_over_the_size_limit():
@@ -116,6 +161,8 @@ def test_dalis_reader_processes_import_no_torch():
         if module not in reached:
             reached.add(module)
             todo += graph[module]
+            # importing app.data.x runs app/__init__.py and app/data/__init__.py first
+            todo += [".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 1)]
     for module in reached:
         tree = ast.parse(files[module].read_text())
         names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)

@@ -4,8 +4,10 @@ Metric records are flat dicts. Keys used by the loop: `epoch`; per print interva
 `train/lr`, `train/images_per_sec`, `progress/epoch_step(s)`, `progress/epoch_time_s`; per
 epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `train/skipped`
 (with --model-ema also `val_ema/top1`, `val_ema/top5`, `val_ema/loss`).
-Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol
-and the fan-out live in app/loggers/base.py.
+Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol,
+the fan-out and RunInfo (what a logger is told about its run) live in app/loggers/base.py.
+
+Imports only app.runtime and app.config: the loggers receive names and numbers, never the job.
 """
 
 from __future__ import annotations

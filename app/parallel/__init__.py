@@ -14,6 +14,9 @@ Implementations: LocalSync (one worker), ParameterServerSync (app/parallel/ps_wo
 AllReduceSync (app/parallel/allreduce.py). The loop never needs to know which one it has.
 Averages are weighted by image counts, so N workers x batch b compute exactly what one worker
 with batch N*b would, short last batches and skipped images included.
+
+Imports only app.runtime and app.config: the supervisor and the sync modes know nothing of
+the model factory, the loop or the loggers.
 """
 
 from __future__ import annotations
