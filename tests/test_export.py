@@ -1,5 +1,5 @@
-"""bin/export.py (app/export.py): a checkpoint -> model.safetensors + config.json in timm's
-local-dir form, and model.onnx, checked by the real clients: timm.create_model("local-dir:")
+"""bin/export.py (app/inference/export.py): a checkpoint -> model.safetensors + config.json in
+timm's local-dir form, and model.onnx, checked by the real clients: timm.create_model("local-dir:")
 and an onnxruntime InferenceSession."""
 
 import json

@@ -1,4 +1,5 @@
-"""app/losses.py against timm: BinaryCrossEntropy fed the targets timm's train.py feeds it."""
+"""app/training/losses.py against timm: BinaryCrossEntropy fed the targets timm's train.py
+feeds it."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""bin/predict.py (app/predict.py): the top-k classes of images with their words, from a
+"""bin/predict.py (app/inference/predict.py): the top-k classes of images with their words, from a
 checkpoint or an export, with the evaluation's own transform; bad files reported, skipped."""
 
 import io

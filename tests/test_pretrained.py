@@ -1,5 +1,5 @@
-"""--pretrained (app/pretrained.py, app/saved_weights.py): a new run from saved weights, keys
-matched by name and shape, a classifier of another class count re-initialised."""
+"""--pretrained (app/models/pretrained.py, app/models/saved_weights.py): a new run from saved
+weights, keys matched by name and shape, a classifier of another class count re-initialised."""
 
 import pytest
 import torch
@@ -163,7 +163,8 @@ def test_evaluating_on_other_classes_is_refused_and_training_warned(source, tiny
 
 
 def test_weights_at_an_s3_url_load_as_from_the_file(source, s3_server, monkeypatch):
-    """Any fsspec URL: here a real S3 endpoint (moto_server), read through app/storage.py."""
+    """Any fsspec URL: here a real S3 endpoint (moto_server), read through
+    app/catalog/storage.py."""
     _, path = source
     client = s3_server.client()
     client.create_bucket(Bucket="weights")

@@ -47,8 +47,9 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
     model = precision.prepare_model(create_model(arch, 1000))
-    # static shapes, a fresh cache: each size gets its own graph, as in training (app/speed.py),
-    # not the dynamic-shape graph a second size would otherwise turn the cached one into
+    # static shapes, a fresh cache: each size gets its own graph, as in training
+    # (app/training/speed.py), not the dynamic-shape graph a second size would otherwise turn
+    # the cached one into
     torch._dynamo.reset()
     forward = torch.compile(model, dynamic=False) if setting.compile else model
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does

@@ -174,7 +174,7 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The entry's settings for obstore's client (app/storage.py maps them): no credentials
+    """The entry's settings for obstore's client (app/catalog/storage.py maps them): no credentials
     here either."""
     if scheme_of(url) not in OBJECT_STORE_SCHEMES:
         return {}

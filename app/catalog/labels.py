@@ -1,8 +1,8 @@
 """What every dataset layout produces and checks the same way: the labelled frames, the class
 index, the selection of classes, and the rules that keep paths inside the dataset root.
 
-The layouts themselves: Kaggle's tables in app/tables.py, one folder per class in
-app/imagefolder.py.
+The layouts themselves: Kaggle's tables in app/catalog/tables.py, one folder per class in
+app/catalog/imagefolder.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Files and folders named by a local path or any fsspec URL (s3://, gs://, https://, ...), for
 what comes after training: weights to start from, models to load, images to classify. URLs go
-through app/storage.py's clients, as datasets do; credentials come from the same chains."""
+through app/catalog/storage.py's clients, as datasets do; credentials come from the same chains."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ and bounded by --max-bad-fraction.
 Every worker appends its own rows the moment a batch reports them, each batch's rows with one
 write() on a file opened O_APPEND (the kernel keeps such writes whole and in one piece on a
 local filesystem), so a crash loses no row and no row is torn. The header is written once,
-before any worker starts (app/run.py), so the file is readable by pandas or csv at any time.
+before any worker starts (app/launch/run.py), so the file is readable by pandas or csv at any time.
 A run resumed from a checkpoint may list an image again for the steps it repeats.
 """
 

@@ -1,5 +1,5 @@
 """Dataset tables -> labelled frames of (path relative to the root, label), for the dataset's
-layout: Kaggle's tables here, one folder per class in app/imagefolder.py.
+layout: Kaggle's tables here, one folder per class in app/catalog/imagefolder.py.
 
 Kaggle layout: labels follow the order of LOC_synset_mapping.txt (restricted to the selected
 classes), which is the order every ImageNet model's class index uses. Every path is checked to
@@ -20,7 +20,7 @@ from app.catalog.storage import DatasetRoot
 from app.runtime.errors import UserError
 
 # The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge),
-# with LOC_synset_mapping.txt (app/labels.py) beside the CSVs.
+# with LOC_synset_mapping.txt (app/catalog/labels.py) beside the CSVs.
 TRAIN_DIR = "ILSVRC/Data/CLS-LOC/train"
 VAL_DIR = "ILSVRC/Data/CLS-LOC/val"
 TRAIN_CLS = "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"

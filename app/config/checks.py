@@ -1,5 +1,5 @@
 """Rules that involve several parameters of the run configuration (each parameter's own range
-is declared beside it in app/config.py and checked here too, in one pass)."""
+is declared beside it in app/config/schema.py and checked here too, in one pass)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Every parameter is declared once: type, default, help, its range check and any short or
 pytorch/examples-style alias. Its flag is its key (`optim.weight_decay` -> --weight-decay); the
 TOML sections and the command line are two ways to fill the same tree.
-Precedence: flags > file > defaults (app/config_sources.py reads the file and the flags;
-app/config_checks.py checks the ranges and the rules that involve several parameters).
+Precedence: flags > file > defaults (app/config/sources.py reads the file and the flags;
+app/config/checks.py checks the ranges and the rules that involve several parameters).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class ModelConfig:
         "(3x3 stem, no max-pool, for low-resolution images)", "-a")
     norm: str = param("batch", "normalisation layers: batch (BatchNorm) or group (GroupNorm, "
                       "independent of the batch split)", choices=("batch", "group"))
-    # timm's own model options (app/models.py); its ResNets keep their zero-init of each
+    # timm's own model options (app/models/factory.py); its ResNets keep their zero-init of each
     # block's last BatchNorm, which --model-kwargs zero_init_last=False turns off.
     drop_path: float = param(0.0, "stochastic depth: timm's drop_path_rate, the drop rate of "
                              "the last block (rising linearly from 0 over the blocks)",
@@ -208,7 +208,7 @@ class TrainConfig:
         1, "gradient accumulation: micro-batches of --batch-size per optimizer step, gradients "
         "exchanged once per step; the effective global batch (which scales the LR) is batch "
         "size x devices x this", check=at_least(1))
-    # torchvision's names and semantics (app/ema.py)
+    # torchvision's names and semantics (app/training/ema.py)
     model_ema: bool = param(False, "keep an exponential moving average of the weights (and "
                             "buffers), evaluated beside them every epoch (val_ema/*); costs one "
                             "more copy of the model in device memory")

@@ -1,4 +1,4 @@
-"""Where a run config's values come from: the declared defaults (app/config.py), a TOML file
+"""Where a run config's values come from: the declared defaults (app/config/schema.py), a TOML file
 (--config FILE) and the command line, in that order of precedence. Values are checked against
 their declared types and ranges; a mistake is one UserError naming the file or flag and key.
 """

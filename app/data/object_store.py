@@ -21,7 +21,7 @@ from app.runtime.errors import first_line
 Outcome = tuple[bytes | None, str]  # (bytes, "") or (None, why not)
 
 # A batch waits at most this long for its images (each GET has its own timeouts and
-# retries in app/storage.py); the ones still missing then are skipped, not waited for.
+# retries in app/catalog/storage.py); the ones still missing then are skipped, not waited for.
 WAIT_LIMIT_S = 300.0
 
 

@@ -32,7 +32,7 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
             if number == len(lines):
                 break
             raise UserError(f"{path}:{number}: not a JSON record") from None
-        if "event" in record:  # a restart (app/run.py record_restart): no metrics to draw
+        if "event" in record:  # a restart (app/launch/run.py record_restart): no metrics to draw
             continue
         if kept and record["step"] < kept[-1]["step"]:  # a resume rewound to an earlier step
             kept = [old for old in kept if old["step"] < record["step"]]

@@ -68,7 +68,7 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def create_model_from_config(config: ModelConfig, num_classes: int,
                              with_pretrained: bool = True) -> nn.Module:
-    """The run's model; with --pretrained, loaded from those weights (app/pretrained.py:
+    """The run's model; with --pretrained, loaded from those weights (app/models/pretrained.py:
     the driver checked them and reported a re-initialised classifier before any worker
     started, so here it happens silently, the same on every worker). A resumed run passes
     `with_pretrained=False`: its checkpoint holds the weights, so the source is not read

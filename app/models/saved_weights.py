@@ -2,9 +2,10 @@
 exports (timm's local-dir form: model.safetensors + config.json) and plain state dicts
 (timm's or torchvision's, .pth or .safetensors).
 
-Reading only: building the model from it is app/model_files.py's job, matching the weights to a
-new model app/pretrained.py's. Everything torch reads here is read with weights_only=True, as
-checkpoints are (app/checkpoint.py): no code from a downloaded file runs.
+Reading only: building the model from it is app/inference/model_files.py's job, matching the
+weights to a new model app/models/pretrained.py's. Everything torch reads here is read with
+weights_only=True, as checkpoints are (app/training/checkpoint.py): no code from a downloaded
+file runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.resolution import DEFAULT_CROP_FRACTION, resolve
 from app.runtime.errors import UserError, first_line
 
-# The tag every checkpoint carries (app/checkpoint.py writes it): defined here, where saved
+# The tag every checkpoint carries (app/training/checkpoint.py writes it): defined here, where saved
 # files are told apart, so that reading a model needs nothing of the training loop's package.
 CHECKPOINT_FORMAT = "imagenet-dp/1"
 EXPORT_WEIGHTS = "model.safetensors"
@@ -92,7 +93,7 @@ def read_export(folder: str) -> SavedWeights:
 
 
 def spec_of_checkpoint(payload: dict) -> ModelSpec:
-    """The spec of a checkpoint written by app/run_state.py. Class names are stored since
+    """The spec of a checkpoint written by app/training/run_state.py. Class names are stored since
     issue 21; older checkpoints leave them empty."""
     config = payload.get("config") or {}
     data, model = config.get("data") or {}, config.get("model") or {}

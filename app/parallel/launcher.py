@@ -4,7 +4,7 @@ and watches them.
 The driver spawns every process (spawn, not fork: fork breaks CUDA and s3fs) and then only
 watches: if any process dies, all others are stopped within seconds and the driver exits
 non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 to the driver ask the
-workers to save and stop. What runs inside a worker is the caller's `target` (app/worker.py
+workers to save and stop. What runs inside a worker is the caller's `target` (app/launch/worker.py
 for training).
 """
 

@@ -4,7 +4,7 @@
 itself (no torchrun): SLURM_PROCID is the rank, the step's task count the world size,
 SLURM_LOCALID the worker's index on its node. Task 0 serves the process group's store on the
 first host of the step's node list, at a port derived from the job id, so every task finds it
-without any exchange and without calling scontrol. app/devices.py decides which source wins
+without any exchange and without calling scontrol. app/runtime/devices.py decides which source wins
 (torchrun's variables always do); this module only reads Slurm's.
 """
 

@@ -1,8 +1,8 @@
 """Checks before training starts, so a run does not fail hours in: the tables' files exist and
 the run folder has room for the checkpoints it will keep.
 
-Already checked elsewhere, earlier: the catalog and the dataset root (app/catalog.py), the
-tables (app/tables.py) and the GPUs (app/devices.py).
+Already checked elsewhere, earlier: the catalog and the dataset root (app/catalog/catalog.py), the
+tables (app/catalog/tables.py) and the GPUs (app/runtime/devices.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2, "lars": 1, "lamb": 2}
 
 def check(job: TrainJob, saves: bool) -> None:
     """`saves`: this process writes the checkpoints (not so for torchrun's other ranks). The run
-    folder itself is checked by writing it (app/run.py write_run_folder)."""
+    folder itself is checked by writing it (app/launch/run.py write_run_folder)."""
     check_listed_files(job)
     if saves:
         remove_stale_temporaries(job)

@@ -4,11 +4,12 @@ grad scaler, precision, input pipelines, position, epoch sums) and runs its loop
 The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
 save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
 forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
-`precision`; saving and stopping on request behind `requests` (app/interrupts.py). Losses stay
-on the device and are fetched every print interval, not every step. Both input pipelines are
-opened before the first step, so what they reserve for the run is taken at its start.
-With --accum-steps K an optimizer step takes K batches (app/accumulation.py); steps count those.
-With --model-ema a moving average of the weights (app/ema.py) follows each step, is evaluated
+`precision`; saving and stopping on request behind `requests` (app/runtime/interrupts.py).
+Losses stay on the device and are fetched every print interval, not every step. Both input
+pipelines are opened before the first step, so what they reserve for the run is taken at its
+start.
+With --accum-steps K an optimizer step takes K batches (accumulation.py); steps count those.
+With --model-ema a moving average of the weights (ema.py) follows each step, is evaluated
 beside them every epoch, and is part of the state.
 """
 
@@ -124,7 +125,7 @@ class Trainer:
             self.model = CompiledForFullBatches(self.model, config.train.batch_size,
                                                 config.train.compile_backend, sizes)
 
-    # --- state: what a checkpoint holds (app/run_state.py writes and reads it) -------------
+    # --- state: what a checkpoint holds (run_state.py writes and reads it) ----------------------
 
     def state_dict(self) -> dict:
         self.interval.move_into(self.epoch_sums)  # a checkpoint holds every image counted
