@@ -6,8 +6,7 @@ save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.
 forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
 `precision`; saving and stopping on request behind `requests` (app/runtime/interrupts.py).
 Losses stay on the device and are fetched every print interval, not every step. Both input
-pipelines are opened before the first step, so what they reserve for the run is taken at its
-start.
+pipelines are opened before the first step: what they reserve for the run is taken at its start.
 With --accum-steps K an optimizer step takes K batches (accumulation.py); steps count those.
 With --model-ema a moving average of the weights (ema.py) follows each step, is evaluated
 beside them every epoch, and is part of the state.
