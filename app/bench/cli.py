@@ -22,7 +22,13 @@ EXAMPLES = """examples:
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
+  python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
 """
+
+
+# The issue's measurement: 2 CPU workers, ResNet-18 at 64 px, the parameter server.
+TEARDOWN_RUN = ("--dataset", "sample_tiny", "-a", "resnet18", "--image-size", "64", "-b", "8",
+                "-j", "0", "--devices", "cpu,cpu", "--sync", "ps", "--epochs", "1", "-p", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
                        help="the generated sample they read (bench: ImageNet-sized images; "
                        "the first batch's memory depends on it, the build's does not)")
-    for sub in (e2e, model, sync, compiling, loader, guess):
+    teardown = commands.add_parser("teardown", help="a failed run: SIGKILL one worker of a "
+                                   "driver run, time to the error line and to the exit")
+    teardown.add_argument("--repeats", type=int, default=3)
+    teardown.add_argument("--victim", default="worker 1 (cpu)", help="as the driver's "
+                          "'started' line names it")
+    teardown.add_argument("flags", nargs="*", default=list(TEARDOWN_RUN), help="the driver's "
+                          "flags after --, default: " + " ".join(TEARDOWN_RUN))
+    for sub in (e2e, model, sync, compiling, loader, guess, teardown):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -195,6 +208,9 @@ def main(argv: list[str]) -> int:
             build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
         report = bench.run(args.model, args.arch, args.image_size, args.images,
                            args.batch_size, args.repeats, args.limit)
+    elif args.command == "teardown":
+        from app.bench import teardown as bench  # noqa: PLC0415
+        report = bench.run(args.flags, args.victim, args.repeats)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,
