@@ -47,9 +47,12 @@ def main(argv: list[str]) -> int:
     from app.parallel.plans import choose_sync  # noqa: PLC0415
     from app.runtime.devices import worker_devices  # noqa: PLC0415
     from app.training import preflight  # noqa: PLC0415
+    from app.training.batch_layout import resumed_job  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, launch)
+    job = resumed_job(job, launch.world_size if launch else len(devices),  # the same samples
+                      report=print_nothing if launch and launch.rank else log.info)
     if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
         check_pretrained(job, primary=not (launch and launch.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
