@@ -61,9 +61,14 @@ def test_torchrun_wins_then_mpi_then_slurm():
     inside = {**SRUN_TASK_9, **OPEN_MPI_RANK_1}
     assert LaunchEnv.from_environ(inside).launcher == "mpirun"
     assert LaunchEnv.from_environ(inside).rank == 1
+    hydra_inside = {**SRUN_TASK_9, **HYDRA_RANK_5, "MASTER_ADDR": "gpu003"}
+    assert LaunchEnv.from_environ(hydra_inside).rank == 5
     torchrun = {**inside, "RANK": "3", "WORLD_SIZE": "8"}
     assert LaunchEnv.from_environ(torchrun).launcher == "torchrun"
     assert LaunchEnv.from_environ(SRUN_TASK_9).launcher == "srun"
+    # srun started the rank itself (srun --mpi=pmi2 sets PMI_RANK, PMI_SIZE): the same task
+    pmi2 = LaunchEnv.from_environ({**SRUN_TASK_9, "PMI_RANK": "9", "PMI_SIZE": "16"})
+    assert (pmi2.launcher, pmi2.rank, pmi2.local_rank) == ("srun", 9, 1)
 
 
 def test_a_single_rank_starts_its_own_workers_and_bad_values_are_one_line():

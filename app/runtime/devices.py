@@ -93,20 +93,22 @@ class LaunchEnv:
         """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win,
         each of them, over Slurm's: torchrun started inside a Slurm job, or a batch script
         that exports MASTER_ADDR before srun. An MPI launcher's ranks (app/runtime/mpi.py)
-        come before Slurm's tasks: mpirun inside an allocation starts its daemons with srun,
-        one task per node, and its ranks inherit that step's SLURM_PROCID and SLURM_NTASKS,
-        which are the daemons', not theirs (under `srun --mpi=pmix`, srun starts the ranks
-        and no MPI variable is set). None for a process no launcher started."""
+        come before Slurm's tasks: mpirun or mpiexec inside an allocation starts its daemons
+        with srun, one task per node, and its ranks inherit that step's SLURM_PROCID and
+        SLURM_NTASKS, which are the daemons', not theirs. A rank whose number and count are
+        those of the srun task around it was started by srun itself (`srun --mpi=pmi2`):
+        Slurm's variables say more about it (its local rank, the nodes). None for a process
+        no launcher started."""
         if "RANK" in environ and "WORLD_SIZE" in environ:
             return cls(whole(environ, "RANK"), whole(environ, "WORLD_SIZE"),
                        whole(environ, "LOCAL_RANK", "0"), whole(environ, "LOCAL_WORLD_SIZE", "1"))
-        ranked = mpi.mpi_rank(environ)
-        if ranked:
+        ranked, task = mpi.mpi_rank(environ), slurm.slurm_task(environ)
+        if ranked and not (task and (task.rank, task.world_size) == (ranked.rank,
+                                                                     ranked.world_size)):
             host, port = mpi.meeting_point(ranked, environ)
             return cls(ranked.rank, ranked.world_size, ranked.local_rank,
                        ranked.local_world_size or 1, launcher="mpirun",
                        init_method=f"tcp://{bracketed(host)}:{port}")
-        task = slurm.slurm_task(environ)
         if task is None:
             return None
         host = environ.get("MASTER_ADDR") or task.master_host
