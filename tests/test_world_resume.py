@@ -3,6 +3,7 @@ LR schedule across a new global batch at an epoch's end, and real runs stopped o
 and resumed on 1 and on 4 that train every image of every epoch once and end where an
 uninterrupted run does."""
 
+import json
 import shutil
 
 import pytest
@@ -108,6 +109,31 @@ def test_a_new_global_batch_at_an_epochs_end_scales_the_lr_and_keeps_the_schedul
     lr_before = before.optimizer.param_groups[0]["lr"]
     assert after.optimizer.param_groups[0]["lr"] == pytest.approx(2 * lr_before, rel=1e-12)
     assert (before.position.epoch, before.position.epoch_step) == (1, 0)
+
+
+def test_the_sample_record_keeps_what_the_last_start_trained_from_its_place_on(tmp_path):
+    """32 images, global batch 4. A 2-worker run trained offsets 0-12 and was killed; its
+    restart on 1 worker went on from its last checkpoint, offset 8, to the end. A start's
+    time precedes the batches of its own start, whichever worker wrote it."""
+    folder = tmp_path / "samples"
+    folder.mkdir()
+
+    def lines(*records):
+        return "".join(json.dumps(r) + "\n" for r in records)
+
+    def batch(time, offset, samples):
+        return {"time": time, "epoch": 1, "offset": offset, "samples": list(samples)}
+
+    start = {"event": "start", "epoch": 1}
+    (folder / "rank-0.jsonl").write_text(lines(
+        {**start, "offset": 0, "time": 1.0},
+        *(batch(2 + o, o, (o, o + 1)) for o in (0, 4, 8, 12)),
+        {**start, "offset": 8, "time": 20.0},
+        *(batch(21 + o, o, range(o, o + 4)) for o in range(8, 32, 4))))
+    (folder / "rank-1.jsonl").write_text(lines(
+        {**start, "offset": 0, "time": 1.5},  # written after rank 0's start: the same start
+        *(batch(2 + o, o, (o + 2, o + 3)) for o in (0, 4, 8, 12))))
+    assert sorted(trained_samples(tmp_path)[1]) == list(range(32))
 
 
 # --- real runs: 2 workers stopped mid-epoch, resumed on 1 and on 4 ------------------------

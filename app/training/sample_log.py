@@ -3,15 +3,18 @@
 Off by default. When on, every worker appends to samples/rank-<r>.jsonl one line per train
 batch (micro-batch) as it hands the batch to the loop:
 
-    {"epoch": 1, "offset": 96, "rank": 1, "world_size": 2, "samples": [17, 3, ...], "time": ...}
+    {"time": ..., "epoch": 1, "offset": 96, "rank": 1, "world_size": 2, "samples": [17, 3, ...]}
 
 `samples` are the rows of the train table the batch was made of, `offset` the position of its
 global batch (all workers' images of that pipeline step) in the epoch's global order: a number
 that means the same whatever the number of workers. Each start, fresh or resumed, first writes
 {"event": "start", "epoch": e, "offset": o, "time": t}: a run that went on from a checkpoint
 repeats what an earlier attempt trained after it (a killed run restarted), and only the later
-attempt's batches count (`trained_samples`). Lines are flushed as written, so a killed
-worker's record ends where it stopped. Cost: one short line per batch and worker.
+attempt's batches count (`trained_samples`). A start's time is taken when the worker builds
+its pipelines, before its first exchange with the other workers (the Trainer connects its
+model to them afterwards), so it is earlier than any batch of its own start and later than
+every batch of the starts before. Lines are flushed as written, so a killed worker's record
+ends where it stopped. Cost: one short line per batch and worker.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ class RecordedPipeline:
         folder = Path(run_dir) / FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         self.file: IO[str] | None = open(folder / f"rank-{env.rank}.jsonl", "a")
+        self.started = time.time()  # before any worker of this start trains (module docstring)
 
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Where this start goes on from: the training starts here."""
-        self.write({"event": "start", "epoch": epoch + 1, "offset": self.offset(start_step)})
+        self.write({"event": "start", "epoch": epoch + 1, "offset": self.offset(start_step),
+                    "time": self.started})
         self.pipeline.open(epoch, start_step)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
@@ -58,7 +63,7 @@ class RecordedPipeline:
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
             self.file.flush()
 
     def steps_per_epoch(self) -> int:
