@@ -119,6 +119,10 @@ def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
     from app.parallel.restarts import run_with_restarts  # noqa: PLC0415
     run = job.config.run
     stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
+    if job.config.parallel.replicas_as == "threads" and len(devices) > 1:
+        from app.parallel.threads import run_threads  # noqa: PLC0415
+        return run_threads(train_process, with_eager_threads(job), devices, job.config.parallel,
+                           stopping)
 
     def start(on_failure: Callable[[str], None]) -> int:
         return launch(train_process, job, devices, mode, job.config.parallel, stopping,
@@ -130,6 +134,16 @@ def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
         return record_restart(job, restart)
 
     return run_with_restarts(start, run.max_restarts, prepare)
+
+
+def with_eager_threads(job: TrainJob) -> TrainJob:
+    """torch.compile is not thread-safe (app/config/checks.py refuses --compile on with
+    threads): `auto` means eager for replicas that are threads."""
+    train = job.config.train
+    if train.compile != "auto":
+        return job
+    return dataclasses.replace(job, config=dataclasses.replace(
+        job.config, train=dataclasses.replace(train, compile="off")))
 
 
 def resumed_from_newest(job: TrainJob) -> TrainJob:
