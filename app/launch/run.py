@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 from app.catalog import skipped
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
-from app.config import Config
+from app.config import Config, DataConfig
 from app.config.sources import dump_toml, parse_config
-from app.data.resolution import resolve
+from app.data.resolution import Resolution, resolve
 from app.runtime import slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
@@ -204,12 +204,8 @@ def prepare_job(config: Config) -> TrainJob:
     tables = load_tables(root, config.data.classes, config.data.train_index)
     for note in tables.notes:
         log.warning("%s", note)
-    data = config.data
-    image_size = data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
-    resolution = resolve(image_size, train_crop=data.train_crop_size,
-                         val_resize=data.val_resize_size, val_crop=data.val_crop_size,
-                         progressive=(data.progressive_start_size, data.progressive_end_size,
-                                      data.progressive_start_epoch, data.progressive_end_epoch))
+    image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    resolution = resolution_of(config.data, image_size)
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.output_dir) / name
     run_id = resumed_run_id(resume_from) or new_run_id()
@@ -218,6 +214,14 @@ def prepare_job(config: Config) -> TrainJob:
         data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
         run=dataclasses.replace(config.run, name=name, resume=resume_from))
     return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id)
+
+
+def resolution_of(data: DataConfig, image_size: int) -> Resolution:
+    """Train size per epoch, val resize and crop, from the data section's sizes."""
+    return resolve(image_size, train_crop=data.train_crop_size, val_resize=data.val_resize_size,
+                   val_crop=data.val_crop_size,
+                   progressive=(data.progressive_start_size, data.progressive_end_size,
+                                data.progressive_start_epoch, data.progressive_end_epoch))
 
 
 def resolve_resume(config: Config) -> tuple[str, str]:
