@@ -126,6 +126,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     api_inputs.check_schedule_knobs(schedule, setup.knobs)
     config = with_schedule_name(config, schedule)
     parts = UserParts(setup.model, setup.optimizer, schedule, loss)
+    if not in_threads(setup):
+        api_inputs.check_picklable({"model": parts.model_template, "loss": parts.loss,
+                                    "optimizer": parts.optimizer_spec, "schedule": schedule})
     job = train_job(setup, config, val_split(setup, val), resume_point(setup, resume))
     write_run_folder(job)
     preflight.check(job, saves=True)
@@ -151,7 +154,7 @@ def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:
     """In threads, or in the driver's processes; one device is a thread either way."""
     run = setup.config.run
     stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
-    if setup.parallel == "threads" or len(setup.devices) == 1:
+    if in_threads(setup):
         from app.launch.run import with_eager_threads  # noqa: PLC0415
         from app.parallel.threads import run_threads  # noqa: PLC0415
         api_job = dataclasses.replace(api_job, job=with_eager_threads(api_job.job))
@@ -159,9 +162,6 @@ def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:
                            stopping, on_tick)
     from app.parallel.launcher import launch  # noqa: PLC0415
     from app.parallel.plans import choose_sync  # noqa: PLC0415
-    parts = api_job.parts
-    api_inputs.check_picklable({"model": parts.model_template, "optimizer": parts.optimizer_spec,
-                                "loss": parts.loss, "schedule": parts.schedule})
     causes: list[str] = []
     code = launch(api_replica, api_job, setup.devices,
                   choose_sync(setup.config.parallel.sync, setup.devices, None),
@@ -171,9 +171,13 @@ def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:
     return code
 
 
+def in_threads(setup: TrainingSetup) -> bool:
+    return setup.parallel == "threads" or len(setup.devices) == 1
+
+
 def relay_for(setup: TrainingSetup) -> Any:
     """Where the primary replica's log records wait for the caller's thread."""
-    if setup.parallel == "threads" or len(setup.devices) == 1:
+    if in_threads(setup):
         return queue.Queue()
     import torch.multiprocessing as mp  # noqa: PLC0415
     return mp.get_context("spawn").Queue()

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
-from app.loggers.base import Logger, Loggers, RunInfo
+from app.loggers.base import Logger, Loggers, NullLogger, RunInfo
 from app.runtime.errors import UserError
 
 
@@ -98,12 +98,26 @@ def start_loggers(logger: Any, run: RunInfo, always: list[Logger] | None = None)
         if hasattr(item, "start"):
             backends.append(item.start(run))
         elif hasattr(item, "log_metrics"):
-            backends.append(item)
+            backends.append(Partial(item))
         else:
             raise UserError(f"logger={item!r}: pass app.loggers.Console(), Notebook(), Jsonl(), "
                             "Wandb(...), a list of them, or an object with log_metrics(step, "
                             "metrics)")
     return Loggers(backends)
+
+
+class Partial(NullLogger):
+    """A caller's logger that has only some of the protocol's methods (log_metrics at least)."""
+
+    def __init__(self, logger: Any):
+        self.logger = logger
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("log_config", "log_metrics", "log_artifact", "finish"):
+            own = getattr(object.__getattribute__(self, "logger"), name, None)
+            if own is not None:
+                return own
+        return object.__getattribute__(self, name)
 
 
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("imagenet_dp_logger",

@@ -147,7 +147,13 @@ def run_threads(target: Callable, job: Any, devices: list[str], config: Parallel
     signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
     try:
         group = start_group(target, job, devices, config, requests, abort)
-        watch_group(group, requests, abort, stopping, signals, on_tick)
+        try:
+            watch_group(group, requests, abort, stopping, signals, on_tick)
+        except BaseException:  # the caller's own failure (a logger, a second Ctrl-C): end all
+            abort.set("stopped: the caller failed")
+            for member in group.members:
+                member.thread.join(ABORT_GRACE_S)
+            raise
     finally:
         if signals:
             signals.restore()
