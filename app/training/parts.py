@@ -8,6 +8,7 @@ configured loss); the Python API hands in the caller's own objects instead
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Protocol
 
 import torch
@@ -19,6 +20,8 @@ from app.training.losses import build_criterion
 from app.training.optim import build_optimizer, build_scheduler
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Replicas that are threads share torch's generator: one builds its model at a time.
+_BUILDING = threading.Lock()
 
 
 class Parts(Protocol):
@@ -57,3 +60,11 @@ class ConfigParts:
 
     def criterion(self, job: TrainJob) -> Loss:
         return build_criterion(job.config.model, job.config.optim.label_smoothing)
+
+
+def seeded_model(parts: Parts, job: TrainJob, seed: int) -> nn.Module:
+    """The replica's model, initialised from `seed` alone: identical on every replica, and
+    the same as a single worker's."""
+    with _BUILDING:
+        torch.manual_seed(seed)
+        return parts.model(job, fresh=not job.resume_from)

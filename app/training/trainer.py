@@ -36,7 +36,7 @@ from app.training.evaluate import evaluate
 from app.training.job import TrainJob
 from app.training.losses import CheckedLoss
 from app.training.optim import clip_gradients, restore_scheduler
-from app.training.parts import ConfigParts, Parts
+from app.training.parts import ConfigParts, Parts, seeded_model
 from app.training.precision import Precision
 from app.training.speed import (CompiledForFullBatches, compile_enabled, compile_time_record,
                                 configure_backends)
@@ -92,8 +92,7 @@ class Trainer:
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
-        torch.manual_seed(config.train.seed)  # identical initial weights on every replica
-        model = self.precision.prepare_model(parts.model(job, fresh=not job.resume_from))
+        model = self.precision.prepare_model(seeded_model(parts, job, config.train.seed))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         self.accumulation = Accumulation(config.train.accum_steps,
                                          self.train_data.steps_per_epoch())

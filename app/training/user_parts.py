@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,7 +28,6 @@ from app.training.parts import ConfigParts, Loss
 
 SCHEDULE_NAMES = OptimConfig.__dataclass_fields__["schedule"].metadata["choices"]
 OPTIMIZER_NAMES = OptimConfig.__dataclass_fields__["optimizer"].metadata["choices"]
-_COPYING = threading.Lock()  # replica threads copy the one model, one at a time
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,7 @@ class UserParts:
     loss: Loss | None = None
 
     def model(self, job: TrainJob, fresh: bool) -> nn.Module:
-        with _COPYING:
-            return copy.deepcopy(self.model_template)
+        return copy.deepcopy(self.model_template)  # one replica at a time (seeded_model)
 
     def optimizer(self, model: nn.Module, job: TrainJob, global_batch: int, fused: bool
                   ) -> torch.optim.Optimizer:
