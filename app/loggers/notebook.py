@@ -4,6 +4,7 @@ Animator does the same), with the console's summary line per epoch under them.""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pandas as pd
@@ -45,12 +46,16 @@ class NotebookLogger(NullLogger):
                                  f"{m['train/images_per_sec']:.0f} img/s")
 
     def _redraw(self) -> None:
-        from IPython.display import display  # noqa: PLC0415 (only inside IPython)
-        figure = curves_figure({self.name: pd.DataFrame.from_records(self.records)})
+        """As a PNG of its own making: a bare Figure has no notebook formatter until pyplot
+        has set the inline backend up."""
+        from IPython.display import Image, display  # noqa: PLC0415 (only inside IPython)
+        png = io.BytesIO()
+        curves_figure({self.name: pd.DataFrame.from_records(self.records)}).savefig(
+            png, format="png", dpi=72)
         if self.figure is None:
-            self.figure = display(figure, display_id=True)
+            self.figure = display(Image(png.getvalue()), display_id=True)
         else:
-            self.figure.update(figure)
+            self.figure.update(Image(png.getvalue()))
 
     def _close_bar(self) -> None:
         if self.bar is not None:

@@ -58,7 +58,7 @@ class UserParts:
             return torch.optim.lr_scheduler.LambdaLR(optimizer, constant)
         if takes_epoch_and_step(schedule):
             return torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                     EpochAndStep(schedule, steps_per_epoch))
+                                                     epoch_and_step(schedule, steps_per_epoch))
         scheduler = schedule(optimizer)
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise UserError(f"schedule: returned {type(scheduler).__name__}, not a torch LR "
@@ -73,14 +73,14 @@ def constant(_step: int) -> float:
     return 1.0
 
 
-@dataclass(frozen=True)
-class EpochAndStep:
-    """A caller's factor(epoch, step in epoch) as LambdaLR's factor(step)."""
-    factor: Callable[[int, int], float]
-    steps_per_epoch: int
-
-    def __call__(self, step: int) -> float:
-        return self.factor(*divmod(step, self.steps_per_epoch))
+def epoch_and_step(factor: Callable[[int, int], float], steps_per_epoch: int
+                   ) -> Callable[[int], float]:
+    """A caller's factor(epoch, step in epoch) as LambdaLR's factor(step). A closure, not an
+    object: LambdaLR saves an object's attributes in its state (the caller's function, which
+    may not pickle into a checkpoint), a function's not."""
+    def at_step(step: int) -> float:
+        return factor(*divmod(step, steps_per_epoch))
+    return at_step
 
 
 def takes_epoch_and_step(function: Callable) -> bool:
