@@ -7,7 +7,6 @@ from the print intervals after the first (start-up and the first batches are lef
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from app.loggers.plots import load_metrics
 from app.launch.python_api import open_catalog, prepare_training, train
 from app.models.factory import create_model
 
@@ -51,8 +51,7 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset
 
 
 def interval_rates(metrics: Path) -> list[float]:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["train/images_per_sec"] for r in records if "train/images_per_sec" in r]
+    return load_metrics(metrics)["train/images_per_sec"].dropna().tolist()
 
 
 def format_report(report: dict) -> str:

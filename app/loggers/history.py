@@ -11,7 +11,7 @@ from app.loggers.plots import load_metrics
 # metrics.jsonl's keys -> the DataFrame's columns, in this order
 COLUMNS = {"epoch": "epoch", "train/epoch_loss": "train_loss", "val/top1": "val_top1",
            "val/top5": "val_top5", "val/loss": "val_loss",
-           "train/epoch_images_per_sec": "images_per_sec", "train/lr": "lr",
+           "train/epoch_images_per_sec": "images_per_sec", "train/epoch_lr": "lr",
            "epoch/time_s": "time_s", "val_ema/top1": "val_ema_top1",
            "val_ema/top5": "val_ema_top5", "val_ema/loss": "val_ema_loss",
            "train/skipped": "train_skipped", "val/skipped": "val_skipped"}

@@ -205,7 +205,7 @@ class Trainer:
         started = tick = time.perf_counter()
         for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
                                                           self.position.epoch_step):
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            self.lr = lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
             loss = self.train_step(batch, micro, last)
             if (self.compiling and size not in self.compiled_sizes
@@ -299,7 +299,7 @@ class Trainer:
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
                    "train/images": int(images), "train/skipped": int(skipped),
-                   "train/lr": self.optimizer.param_groups[0]["lr"],  # the next step's
+                   "train/epoch_lr": getattr(self, "lr", 0.0),  # its last step's
                    "train/epoch_images_per_sec": images / trained_s,
                    "train/image_size": self.image_size(self.position.epoch - 1), **val}
         path = self.save(top1=self.best_of(metrics))
