@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
       --cutmix-alpha 1.0                                         # + batch augmentations
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
+  python bin/bench.py threads -a resnet18 -b 32 --devices cpu,cpu  # replicas as threads or not
   python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
@@ -73,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--steps", type=int, default=10)
     sync.add_argument("--warmup", type=int, default=3)
     sync.add_argument("--bucket-mb", type=float, default=25.0)
+    threads = commands.add_parser("threads", help="training images/s with the replicas as "
+                                  "threads vs as processes (app.train), same run otherwise")
+    threads.add_argument("-a", "--arch", default="resnet18")
+    threads.add_argument("-b", "--batch-size", type=int, default=32, help="per replica")
+    threads.add_argument("--image-size", type=int, default=64)
+    threads.add_argument("--devices", default="cpu,cpu", help="replica devices: cpu,cpu; "
+                         "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1")
+    threads.add_argument("--dataset", default="sample")
+    threads.add_argument("--catalog", default="datasets.toml")
+    threads.add_argument("-j", "--workers", type=int, default=1, help="loader processes per "
+                         "replica")
+    threads.add_argument("--steps", type=int, default=40, help="about this many steps are "
+                         "measured (one epoch of the dataset)")
     compiling = commands.add_parser("compile", help="first step (compilation included) and "
                                     "step time: eager, compiled whole, compiled by regions")
     compiling.add_argument("-a", "--arch", default="resnet50")
@@ -133,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
                        help="the generated sample they read (bench: ImageNet-sized images; "
                        "the first batch's memory depends on it, the build's does not)")
-    for sub in (e2e, model, sync, compiling, loader, guess):
+    for sub in (e2e, model, sync, threads, compiling, loader, guess):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -173,6 +187,10 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
                            args.steps, args.warmup, args.bucket_mb, args.compile,
                            args.compile_backend)
+    elif args.command == "threads":
+        from app.bench import threads as bench  # noqa: PLC0415
+        report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
+                           args.dataset, args.catalog, args.workers, args.steps)
     elif args.command == "compile":
         from app.bench import compile as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.catalog import sample
+from app.catalog.dataset import Dataset
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
                                  DatasetRoot, scheme_of)
 from app.config.tomlfile import read_toml
@@ -102,6 +103,11 @@ class Catalog:
                 f"edit `url` of [datasets.{name}] in {self.path}"
             raise UserError(f"dataset '{name}': root {url} not found; {hint}")
         return root
+
+    def dataset(self, name: str = "") -> Dataset:
+        """An entry as an object whose tables the Python API trains on (app/catalog/dataset.py):
+        opened as `open` opens it."""
+        return Dataset(self.open(name, report=print))
 
     def _url(self, name: str, entry: dict[str, Any]) -> str:
         url = os.environ.get(entry.get("url_env", ""), "") or entry["url"]

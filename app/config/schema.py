@@ -244,6 +244,13 @@ class ParallelConfig:
                       check=at_least(0))
     devices: list[str] = param(
         [], "explicit worker devices, repeats allowed: cuda:0,cuda:1 or cpu,cpu")
+    # How the replicas run; the sync below is how they agree.
+    replicas_as: str = param(
+        "auto", "replicas as processes (one worker process per device, plus the parameter "
+        "server's) or threads (one thread per device in this process, the parameter server a "
+        "thread too: nothing is pickled; no compile, no all-reduce, no --max-restarts); auto "
+        "= processes from bin/driver.py, threads from Python (app.train)",
+        choices=("auto", "processes", "threads"))
     sync: str = param(
         "auto", "gradient sync: ps = parameter server (one machine), allreduce = "
         "torch.distributed DDP (also under torchrun); auto = ps, or allreduce under torchrun",

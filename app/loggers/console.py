@@ -37,11 +37,14 @@ class ConsoleLogger(NullLogger):
             return
         if self.bar is None or self.bar_epoch != m["epoch"]:
             self._close_bar()
-            self.bar = tqdm(total=m["progress/epoch_steps"], file=self.stream, leave=False,
-                            desc=f"epoch {m['epoch']}/{self.epochs}", unit="step")
+            self.bar = self.make_bar(m["progress/epoch_steps"],
+                                     f"epoch {m['epoch']}/{self.epochs}")
             self.bar_epoch = m["epoch"]
         self.bar.update(m["progress/epoch_step"] - self.bar.n)
         self.bar.set_postfix_str(text)
+
+    def make_bar(self, total: int, desc: str):
+        return tqdm(total=total, file=self.stream, leave=False, desc=desc, unit="step")
 
     def _close_bar(self) -> None:
         if self.bar is not None:

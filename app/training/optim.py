@@ -133,9 +133,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
         optimizer, WarmupSchedule(config, steps_per_epoch, epochs, floor))
 
 
-def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
     """Continue at the saved step, on the schedule of the current config: a run resumed with
-    more --epochs stretches its cosine instead of staying at the old end (zero)."""
+    more --epochs stretches its cosine instead of staying at the old end (zero). A scheduler
+    that is not a function of the step (a caller's own, from the Python API) loads its state."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.load_state_dict(state)
+        return
     schedules = scheduler.lr_lambdas
     scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(schedules)})  # None: keep ours
     for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,

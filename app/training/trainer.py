@@ -25,7 +25,6 @@ from app.catalog.skipped import SkippedLog, check_bad_fraction
 from app.data.batch_augment import BatchAugment
 from app.data.pipeline import DeviceBatch
 from app.loggers import Logger, NullLogger
-from app.models.factory import create_model_from_config
 from app.parallel import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.interrupts import NoRequests, Requests
@@ -34,10 +33,11 @@ from app.training.accumulation import Accumulation
 from app.training.ema import build_ema
 from app.training.evaluate import evaluate
 from app.training.job import TrainJob
-from app.training.losses import build_criterion
-from app.training.optim import build_optimizer, build_scheduler, clip_gradients, restore_scheduler
+from app.training.losses import CheckedLoss
+from app.training.optim import clip_gradients, restore_scheduler
+from app.training.parts import ConfigParts, Parts, seeded_model
 from app.training.precision import Precision
-from app.training.speed import (CompiledForFullBatches, compile_enabled, compiled_graphs,
+from app.training.speed import (CompiledForFullBatches, compile_enabled, compile_time_record,
                                 configure_backends)
 from app.training.tally import Tally
 from app.training.worker_pipelines import build_pipelines
@@ -66,9 +66,10 @@ Outcome = Finished | Stopped
 
 
 def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
-                 requests: Requests | None = None) -> Outcome:
-    """Train (or only evaluate) as configured, continuing from job.resume_from if given."""
-    trainer = Trainer(job, env, sync, logger, requests or NoRequests())
+                 requests: Requests | None = None, parts: Parts | None = None) -> Outcome:
+    """Train (or only evaluate) as configured, continuing from job.resume_from if given;
+    `parts`: the model, optimizer, schedule and loss (default: the config's)."""
+    trainer = Trainer(job, env, sync, logger, requests or NoRequests(), parts)
     try:
         if job.resume_from:
             trainer.load_state_dict(run_state.load(job.resume_from, env))
@@ -81,32 +82,29 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
 
 class Trainer:
     def __init__(self, job: TrainJob, env: WorkerEnv, sync: GradientSync,
-                 logger: Logger | None = None, requests: Requests | None = None):
-        config = job.config
+                 logger: Logger | None = None, requests: Requests | None = None,
+                 parts: Parts | None = None):
+        config, parts = job.config, parts or ConfigParts()
         self.job, self.env, self.sync = job, env, sync
         self.logger = logger or NullLogger()
         self.requests = requests or NoRequests()
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
-        torch.manual_seed(config.train.seed)  # identical initial weights on every replica
-        model = self.precision.prepare_model(create_model_from_config(
-            config.model, job.tables.num_classes, with_pretrained=not job.resume_from))
+        model = self.precision.prepare_model(seeded_model(parts, job, config.train.seed))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         self.accumulation = Accumulation(config.train.accum_steps,
                                          self.train_data.steps_per_epoch())
         self.scaler = self.precision.grad_scaler()
         global_batch = config.train.batch_size * env.world_size * config.train.accum_steps
-        self.optimizer = build_optimizer(model, config.optim, global_batch,
-                                         fused=self.scaler is not None)
-        self.scheduler = build_scheduler(self.optimizer, config.optim,
-                                         self.accumulation.steps_per_epoch, config.train.epochs)
+        self.optimizer = parts.optimizer(model, job, global_batch, fused=self.scaler is not None)
+        self.scheduler = parts.scheduler(self.optimizer, job, self.accumulation.steps_per_epoch)
         self.ema = build_ema(model, config.train.model_ema or config.run.use_ema,
                              config.train.model_ema_decay, config.train.model_ema_steps,
                              global_batch, config.train.epochs, config.optim.warmup_epochs,
                              self.accumulation.steps_per_epoch)
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
-        self.criterion = build_criterion(config.model, config.optim.label_smoothing)
+        self.criterion = CheckedLoss(parts.criterion(job), job.tables.num_classes)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
                                                       config.train.seed, env.rank)
         self.position = Position()
@@ -206,7 +204,7 @@ class Trainer:
         started = tick = time.perf_counter()
         for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
                                                           self.position.epoch_step):
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            self.lr = lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
             loss = self.train_step(batch, micro, last)
             if (self.compiling and size not in self.compiled_sizes
@@ -266,20 +264,11 @@ class Trainer:
         return self.job.resolution.train.at(epoch)
 
     def report_compile_time(self, step_started: float, size: int) -> None:
-        """The first compiled step at each train size includes the compilation (about a minute
-        for a ResNet-50): worth a record of its own, with the count of compiled graphs (one
-        per region, mode and size, never one per step). Waits for the device once per size."""
+        """The first compiled step at each train size: a record of its own (speed.py)."""
         self.compiled_sizes.add(size)
-        if self.precision.device.type == "cuda":
-            torch.cuda.synchronize(self.precision.device)
-        seconds = time.perf_counter() - step_started
-        graphs = compiled_graphs()
-        log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
-                 "so far: %d", size, seconds, graphs)
         # recorded at the optimizer step this batch belongs to (counted after its last batch)
-        self.logger.log_metrics(self.position.step + 1, {"compile/first_step_s": seconds,
-                                                         "compile/graphs": graphs,
-                                                         "train/image_size": size})
+        self.logger.log_metrics(self.position.step + 1, compile_time_record(
+            step_started, size, self.precision.device))
 
     def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""
@@ -295,6 +284,7 @@ class Trainer:
 
     def end_epoch(self, started: float) -> dict:
         """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics."""
+        trained_s = time.perf_counter() - started  # a resumed epoch: since the resume
         self.interval.move_into(self.epoch_sums)
         loss_sum, images, skipped = self.sync.sum_across_workers(
             self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
@@ -308,6 +298,8 @@ class Trainer:
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
                    "train/images": int(images), "train/skipped": int(skipped),
+                   "train/epoch_lr": getattr(self, "lr", 0.0),  # its last step's
+                   "train/epoch_images_per_sec": images / trained_s,
                    "train/image_size": self.image_size(self.position.epoch - 1), **val}
         path = self.save(top1=self.best_of(metrics))
         metrics["epoch/time_s"] = time.perf_counter() - started
