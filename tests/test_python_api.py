@@ -3,9 +3,11 @@ processes compute what one replica with the whole batch does; an interrupt saves
 resumes exactly; a failing replica stops the others; bad arguments are one line each, before
 any thread starts."""
 
+import io
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -81,15 +83,28 @@ def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_
 
 
 def slow_loss(logits, targets):
-    """Steps at a real model's pace, so that the caller's thread, which acts on the interrupt
-    and is busy drawing curves at an epoch's end, does so while the replicas still train."""
-    time.sleep(0.1)
+    """Steps at a real model's pace rather than as fast as a tiny one can."""
+    time.sleep(0.02)
     return nn.functional.cross_entropy(logits, targets)
 
 
-def interrupting_loss(at_call: int):
-    """slow_loss that presses Ctrl-C (SIGINT to this process, as a notebook's Stop button
-    does) during replica 0's `at_call`-th step."""
+class Announcements(io.TextIOBase):
+    """sys.stderr as it was, plus an event set when the caller's thread announces that it
+    took the interrupt ("SIGINT: saving a checkpoint after step N")."""
+
+    def __init__(self, stream):
+        self.stream, self.taken = stream, threading.Event()
+
+    def write(self, text: str) -> int:
+        if "saving a checkpoint after step" in text:
+            self.taken.set()
+        return self.stream.write(text)
+
+
+def interrupting_loss(at_call: int, announcements: Announcements):
+    """Presses Ctrl-C (SIGINT to this process, as a notebook's Stop button does) during
+    replica 0's `at_call`-th step, and holds that step until the caller's thread has taken the
+    interrupt: where the run stops does not depend on how busy the machine is."""
     calls = []
 
     def loss(logits, targets):
@@ -97,22 +112,27 @@ def interrupting_loss(at_call: int):
             calls.append(1)
             if len(calls) == at_call:
                 os.kill(os.getpid(), signal.SIGINT)
+                assert announcements.taken.wait(timeout=120), "the interrupt was not taken"
         return slow_loss(logits, targets)
     return loss
 
 
-def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path):
+def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypatch):
     before = set(threading.enumerate())
     flags = {"epochs": 2, "print_freq": 1}
     straight = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "straight", **flags)
     assert len(app.train(straight, loss=slow_loss, logger=[])) == 2
 
     stopped = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "stopped", **flags)
-    history = app.train(stopped, loss=interrupting_loss(18), logger=[])
+    announcements = Announcements(sys.stderr)
+    monkeypatch.setattr(sys, "stderr", announcements)
+    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[])
+    monkeypatch.undo()
     assert set(threading.enumerate()) == before  # every replica and the server thread ended
     assert list(history.epoch) == [1]  # the history so far
     saved = checkpoint.load(stopped.run_dir / "checkpoints" / "last.pt")
-    assert saved["epoch"] == 1 and 18 <= saved["step"] < 30  # mid-epoch, after the interrupt
+    # replica 0 was held inside step 18 (the 3rd of epoch 2) until the stop was asked
+    assert saved["epoch"] == 1 and 18 <= saved["step"] <= 19
     with pytest.raises(UserError, match="resume=True"):
         app.train(stopped, loss=slow_loss, logger=[])
 
