@@ -16,7 +16,7 @@ from app.catalog import tables
 from app.data.augment import TrainRecipe
 from app.data.auto_augment import (IMAGENET_POLICY, OP_NAMES, WIDE_SPACE, ImageNetAutoAugment,
                                    RandAugment, TrivialAugmentWide, policy, standard_space)
-from app.data.pillow_ops import apply_ops
+from app.data.image_ops import apply_ops
 
 SIZE = 64
 PLANS = 14_000

@@ -26,7 +26,7 @@ from app.catalog import tables  # noqa: E402
 from app.data.auto_augment import OP_NAMES, WIDE_SPACE  # noqa: E402
 from app.data.dali_ops import augment  # noqa: E402
 from app.data.dali_source import op_columns  # noqa: E402
-from app.data.pillow_ops import apply_ops  # noqa: E402
+from app.data.image_ops import apply_ops  # noqa: E402
 
 SIZE = 64
 EXACT = {"Identity", "TranslateX", "TranslateY", "Brightness", "Color", "Contrast", "Sharpness",
