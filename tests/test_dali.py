@@ -26,7 +26,6 @@ from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
-from app.data.pipeline import InputFormat, PipelineSpec  # noqa: E402
 from app.data.resolution import TrainSizes  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
 from app.launch.run import prepare_job, write_run_folder  # noqa: E402
@@ -35,10 +34,10 @@ from app.runtime.devices import WorkerEnv  # noqa: E402
 from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
+from pipelines import STD, batches_of, corrupt_huffman_tables, equalized, spec_for  # noqa: E402
 from test_reliability import last, stop_with_sigterm_after  # noqa: E402
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # normalised -> pixels
 
 
 class Info:
@@ -46,18 +45,6 @@ class Info:
 
     def __init__(self, iteration, epoch_idx):
         self.iteration, self.epoch_idx = iteration, epoch_idx
-
-
-def spec_for(root, frame, recipe, batches, workers=1):
-    return PipelineSpec(root, frame, recipe, batches, workers, InputFormat(torch.device("cpu")))
-
-
-def batches_of(decoder, spec, epoch, start_step):
-    pipeline = build_pipeline(decoder, spec)
-    try:
-        return list(pipeline.epoch(epoch, start_step))
-    finally:
-        pipeline.close()
 
 
 def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
@@ -90,14 +77,6 @@ def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
     with pytest.raises(StopIteration):  # past the epoch's last step (10 steps of 2 x 16)
         source(Info(8, 0))
     assert 0 < flips < 48 and counts == {0, 1, 2}
-
-
-def equalized(root, frame, spec, epoch, step) -> torch.Tensor:
-    """Which images of the batch get Equalize (DALI's differs from Pillow's)."""
-    items = spec.batches.items(spec.batches.order(epoch), epoch, step)
-    sizes = [Image.open(f"{root.url}/{frame.path[index]}").size for index, _ in items]
-    return torch.tensor([any(name == "Equalize" for name, _ in spec.recipe.plan(h, w, seed).ops)
-                         for (_, seed), (w, h) in zip(items, sizes)])
 
 
 @pytest.mark.parametrize("split, auto_augment", [
@@ -176,15 +155,6 @@ def test_quirky_and_bad_files_are_prepared_or_refused(tiny_sample):
     assert Image.open(io.BytesIO(placeholder())).size == (8, 8)
 
 
-def corrupt_huffman_tables(path):
-    """A JPEG whose header is fine but whose Huffman counts are not: only a decoder sees it
-    (DALI fails the whole batch on it; Pillow calls it a broken data stream)."""
-    data = bytearray(path.read_bytes())
-    table = data.find(b"\xff\xc4")
-    data[table + 5:table + 21] = b"\xff" * 16
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("auto_augment", ["off", "ta_wide"])
 def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tiny_copy, caplog,
                                                                             auto_augment):
@@ -217,7 +187,7 @@ def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tin
     assert sum(again) == len(frame) - 5
 
 
-def test_auto_picks_dali_for_a_gpu_only():
+def test_auto_picks_dali_on_a_gpu_where_it_imports():
     assert resolve_decoder("auto", torch.device("cpu")) == "pillow"
     assert resolve_decoder("auto", torch.device("cuda:0")) == "dali"  # DALI imports here
     assert resolve_decoder("pillow", torch.device("cuda:0")) == "pillow"

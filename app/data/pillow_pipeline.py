@@ -134,10 +134,14 @@ class ImageDataset(Dataset):
         if data is None:
             return Skipped(path, reason)
         try:
-            pixels = apply_on_pil(to_rgb(open_image(data)), recipe, seed)
+            return self.prepare(path, data, index, seed, recipe)
         except BadImage as error:
             return Skipped(path, str(error))
-        return pixels, self.labels[index]
+
+    def prepare(self, path: str, data: bytes, index: int, seed: int, recipe: Recipe) -> tuple:
+        """(what this process hands over for the image, its label): here its pixels, as the
+        recipe wants them; BadImage when the bytes are no usable image."""
+        return apply_on_pil(to_rgb(open_image(data)), recipe, seed), self.labels[index]
 
 
 def collate(items: list) -> HostBatch:
