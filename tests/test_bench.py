@@ -22,6 +22,7 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     report = tmp_path / "model.json"
     result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
                    "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--sizes", "32,64",
+                   "--batch-sizes", "4,8", "--optimizer-steps", "foreach,fused",
                    "--optimizers", "sgd,lars", "--clip-grad-norm", "1", "--model-ema-steps", "2",
                    "--json", str(report))
     assert result.returncode == 0, result.stderr
@@ -29,9 +30,15 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     rows = data["results"]
     sizes = data["sizes"]["results"]
     assert data["sizes"]["setting"] == "ours without compile"
-    assert [(r["image_size"], r["pixels_vs_largest"]) for r in sizes] == [(32, 4.0), (64, 1.0)]
-    assert sizes[0]["speed_vs_largest"] == sizes[0]["images_per_s"] / sizes[1]["images_per_s"]
-    assert "by image size" in result.stdout
+    assert [(r["batch_size"], r["image_size"], r["optimizer_step"], r["pixels_vs_largest"])
+            for r in sizes] == [(batch, size, step, (64 / size) ** 2) for batch in (4, 8)
+                                for size in (32, 64) for step in ("foreach", "fused")]
+    by_key = {(r["batch_size"], r["image_size"], r["optimizer_step"]): r for r in sizes}
+    for (batch, size, step), r in by_key.items():
+        assert r["speed_vs_largest"] == r["images_per_s"] / by_key[batch, 64, step]["images_per_s"]
+        assert r["speed_vs_first_step"] == \
+            r["images_per_s"] / by_key[batch, size, "foreach"]["images_per_s"]
+    assert "by batch, image size and optimizer step" in result.stdout
     optimizers = data["optimizers"]
     assert [r["label"] for r in optimizers] == [
         "ours without compile + sgd", "ours without compile + lars",

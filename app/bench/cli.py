@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--sizes", default="", help="also measure our first setting at these "
                        "comma-separated image sizes (e.g. 160,192,224: what progressive "
                        "resizing buys), each against the largest")
+    model.add_argument("--batch-sizes", default="", help="... and at these comma-separated "
+                       "batch sizes (e.g. 256,512; default: -b)")
+    model.add_argument("--optimizer-steps", default="", help="... and with these "
+                       "comma-separated implementations of the SGD step: default, foreach, "
+                       "fused (e.g. foreach,fused), each against the first")
     for flag, what in (("--random-erase", "random erasing probability"),
                        ("--mixup-alpha", "mixup alpha"), ("--cutmix-alpha", "cutmix alpha")):
         model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
@@ -147,6 +152,20 @@ def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
                          for o in optimizers if clip]
 
 
+def numbers(text: str) -> list[int]:
+    return [int(value) for value in text.split(",") if value]
+
+
+def optimizer_steps(text: str) -> list[str]:
+    from app.bench.model import OPTIMIZER_STEPS  # noqa: PLC0415 (imports torch)
+    kinds = [kind for kind in text.split(",") if kind]
+    unknown = set(kinds) - set(OPTIMIZER_STEPS)
+    if unknown:
+        build_parser().error(f"--optimizer-steps: unknown {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(OPTIMIZER_STEPS)}")
+    return kinds
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     code = 0
@@ -165,9 +184,10 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
                            args.steps, args.warmup, settings,
                            augment if augment != AugmentConfig() else None,
-                           [int(size) for size in args.sizes.split(",") if size],
+                           numbers(args.sizes),
                            recipe_optimizers(args.optimizers, args.clip_grad_norm),
-                           args.model_ema_steps)
+                           args.model_ema_steps, numbers(args.batch_sizes),
+                           optimizer_steps(args.optimizer_steps))
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),

@@ -102,7 +102,7 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
         global_batch = config.train.batch_size * env.world_size * config.train.accum_steps
         self.optimizer = build_optimizer(model, config.optim, global_batch,
-                                         fused=self.scaler is not None)
+                                         fused=self.precision.fused_step)
         self.scheduler = build_scheduler(self.optimizer, config.optim,
                                          self.accumulation.steps_per_epoch, config.train.epochs)
         self.ema = build_ema(model, config.train.model_ema or config.run.use_ema,
