@@ -90,16 +90,26 @@ def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
     report = tmp_path / "e2e.json"
     result = bench("e2e", "--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny",
                    "-a", "test_resnet", "-b", "8", "--image-size", "32", "-j", "1", "--device",
-                   "cpu", "--steps", "3", "--warmup", "1", "--decoder", "pillow", "--json",
-                   str(report))
+                   "cpu", "--steps", "3", "--warmup", "1", "--decoders", "pillow,nvjpeg",
+                   "--json", str(report))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
-    peer, ours = data["results"]
-    assert peer["label"] == "pytorch/examples recipe" and ours["label"] == "ours (pillow)"
+    peer, *ours = data["results"]  # the peer and the model alone once, each decoder after
+    assert peer["label"] == "pytorch/examples recipe"
+    assert [r["label"] for r in ours] == ["ours (pillow)", "ours (nvjpeg)"]
     assert all(r["images_per_s"] > 0 and r["cpu_cores"] > 0 for r in data["results"])
-    assert ours["ratio_to_peer"] == ours["images_per_s"] / peer["images_per_s"]
-    assert ours["share_of_model_only"] == ours["images_per_s"] / \
-        data["model_only"]["images_per_s"]
+    for row in ours:
+        assert row["ratio_to_peer"] == row["images_per_s"] / peer["images_per_s"]
+        assert row["share_of_model_only"] == row["images_per_s"] / \
+            data["model_only"]["images_per_s"]
+
+
+def test_e2e_bench_skips_dali_where_it_does_not_import(monkeypatch):
+    from app.bench import e2e
+    monkeypatch.setattr(e2e, "dali_imports", lambda: False)
+    setup = e2e.Setup("datasets.toml", "sample_tiny", "test_resnet", 8, 32, 1, "cpu", 1, 1)
+    assert e2e.ours(setup, "dali") == {"label": "ours (dali)",
+                                       "skipped": "NVIDIA DALI does not import here"}
 
 
 def test_dali_reservations_subtract_torchs_own_allocations():

@@ -158,6 +158,20 @@ def test_no_host_sync_inside_a_training_step(tmp_path, compile_setting, amp, aug
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("optimizer, fused", [("sgd", True), ("adamw", True), ("lars", None)])
+def test_sgd_and_adamw_step_as_one_fused_kernel_on_cuda(tmp_path, optimizer, fused):
+    config, _ = parse_config([*CATALOG, *TINY_TRAIN_FLAGS, "--device", "cuda:0", "--optimizer",
+                              optimizer, "--output-dir", str(tmp_path), "--run-name", "fused"])
+    job = prepare_job(config)
+    write_run_folder(job)
+    trainer = Trainer(job, WorkerEnv(device="cuda:0"), LocalSync())
+    try:
+        assert trainer.optimizer.defaults.get("fused") is fused  # timm's LARS has no such step
+    finally:
+        trainer.close()
+
+
+@pytest.mark.gpu
 def test_checkpoints_hold_the_workers_own_cuda_generator():
     torch.cuda.set_device("cuda:0")
     states = checkpoint.rng_states("cuda:0")

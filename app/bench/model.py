@@ -23,7 +23,7 @@ from app.models.factory import create_model
 from app.training.ema import ModelEma
 from app.training.optim import build_optimizer, clip_gradients
 from app.training.precision import Precision
-from app.training.speed import configure_backends
+from app.training.speed import CompiledForFullBatches, configure_backends
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,15 @@ class ModelSetting:
     label: str
     amp: str  # auto | bf16 | fp16 | off
     channels_last: bool
-    compile: bool
+    compile: bool  # the whole model, or with `regions` each block of its stages
+    regions: bool = False
 
 
 OURS = ModelSetting("ours: bf16, channels_last, compiled", "auto", True, True)
 OURS_EAGER = ModelSetting("ours without compile", "auto", True, False)
+# compiled as training compiles: each block of the stages (app/training/speed.py)
+OURS_REGIONS = ModelSetting("ours: bf16, channels_last, compiled by regions", "auto", True,
+                            True, regions=True)
 PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 # the plain SGD step's implementation: torch's default (foreach on CUDA, a loop on a CPU),
 # foreach kernels (a few launches per parameter group) or one fused kernel
@@ -58,7 +62,10 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     # (app/training/speed.py), not the dynamic-shape graph a second size would otherwise turn
     # the cached one into
     torch._dynamo.reset()
-    forward = torch.compile(model, dynamic=False) if setting.compile else model
+    forward = model
+    if setting.compile:
+        forward = CompiledForFullBatches(model, batch_size) if setting.regions else \
+            torch.compile(model, dynamic=False)
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **OPTIMIZER_STEPS[optimizer_step])
