@@ -34,7 +34,7 @@ from app.runtime.devices import WorkerEnv  # noqa: E402
 from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
-from pipelines import STD, batches_of, corrupt_huffman_tables, equalized, spec_for  # noqa: E402
+from pipelines import STD, assert_pillows_batches, damage_five, spec_for  # noqa: E402
 from test_reliability import last, stop_with_sigterm_after  # noqa: E402
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -83,26 +83,12 @@ def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
     ("train", "off"), ("val", "off"), ("train", "ta_wide"), ("train", "ra"),
     ("train", "imagenet")])
 def test_dali_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment):
-    """Whole epochs, so the CMYK, grayscale and PNG-named-.JPEG files are among them. With
-    auto-augment, the ops see the decoders' slightly different pixels and some widen the gap
-    (solarize flips a value near its threshold, autocontrast stretches): measured at most 0.47
-    on average over a batch and 4.4 on an image, asserted 1.0 and 6.0. Images that get
-    Equalize are left out: it differs on its own (tests/test_dali_ops.py), by up to 30 on an
-    image here where it follows another op."""
-    root = DatasetRoot("tiny", str(tiny_sample))
-    frame = getattr(load_tables(root), split)
-    recipe = TrainRecipe(32, auto_augment=auto_augment) if split == "train" else EvalRecipe(32)
-    spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 24, seed=1,
-                                                        shuffle=split == "train"))
-    pillow = batches_of("pillow", spec, epoch=2, start_step=1)
-    dali = batches_of("dali", spec, epoch=2, start_step=1)
-    assert len(dali) == len(pillow) == spec.batches.steps_per_epoch() - 1
-    image_mean = 3.0 if auto_augment == "off" else 6.0
-    for step, (a, b) in enumerate(zip(pillow, dali), start=1):
-        assert torch.equal(a.labels, b.labels) and a.images.shape == b.images.shape
-        assert b.images.dtype == torch.float32 and b.images.is_contiguous()
-        pixels = ((a.images - b.images) * STD).abs()[~equalized(root, frame, spec, 2, step)]
-        assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
+    """With auto-augment, the ops see the decoders' slightly different pixels and some widen
+    the gap (solarize flips a value near its threshold, autocontrast stretches): measured at
+    most 0.47 on average over a batch and 4.4 on an image, asserted 1.0 and 6.0. Images that
+    get Equalize are left out: it differs on its own (tests/test_dali_ops.py), by up to 30 on
+    an image here where it follows another op."""
+    assert_pillows_batches("dali", tiny_sample, split, auto_augment)
 
 
 def test_both_decoders_change_size_with_the_epoch_and_dali_needs_no_rebuild(tiny_sample):
@@ -158,16 +144,8 @@ def test_quirky_and_bad_files_are_prepared_or_refused(tiny_sample):
 @pytest.mark.parametrize("auto_augment", ["off", "ta_wide"])
 def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tiny_copy, caplog,
                                                                             auto_augment):
-    root = DatasetRoot("t", str(tiny_copy))
-    frame = load_tables(root).train
-    batches = ShardedBatches(len(frame), 64, seed=0)
-    first = [index for index, _ in next(iter(batches))]
-    (tiny_copy / frame.path[first[0]]).write_bytes(b"")
-    (tiny_copy / frame.path[first[1]]).write_text("<html>403</html>")
-    corrupt_huffman_tables(tiny_copy / frame.path[first[2]])
-    (tiny_copy / frame.path[first[3]]).unlink()
-    later = frame.path[[index for index, _ in list(iter(batches))[2]][5]]  # in step 2
-    (tiny_copy / later).write_bytes((tiny_copy / later).read_bytes()[:300])  # truncated
+    # truncated inside its header
+    root, frame, batches, damaged = damage_five(tiny_copy, slice(None, 300))
     recipe = TrainRecipe(24, auto_augment=auto_augment)
     pipeline = build_pipeline("dali", spec_for(root, frame, recipe, batches))
     try:
@@ -179,10 +157,10 @@ def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tin
     # the Huffman file: DALI failed its batch, Pillow redid it and found the file
     assert "DALI failed step 0 of epoch 1 (Failed to decode sample" in caplog.text
     reasons = {s.path: s.reason for b in out for s in b.skipped}
-    assert set(reasons) == {*frame.path[first[:4]], later}
-    assert reasons[frame.path[first[0]]] == "empty file"
-    assert reasons[frame.path[first[3]]] == "missing"
-    assert reasons[later].startswith("not decodable")  # truncated inside its header
+    assert set(reasons) == set(damaged.values())
+    assert reasons[damaged["empty"]] == "empty file"
+    assert reasons[damaged["missing"]] == "missing"
+    assert reasons[damaged["truncated"]].startswith("not decodable")
     assert sum(len(b) for b in out) == len(frame) - 5 and len(out) == 5
     assert sum(again) == len(frame) - 5
 

@@ -2,11 +2,11 @@
 runs on a GPU with device="cuda"): the same batches, crops, flips and ops as the Pillow path,
 bad and quirky files skipped or decoded by Pillow, never a crash.
 
-Pixel tolerance, the DALI tests' (tests/test_dali.py): at most 1.0 of 255 on average over a
-batch, 3.0 on any image, 6.0 with auto-augment (whose ops spread the decoders' small
-differences: solarize flips a value near its threshold, posterize drops a bit), images that get
-Equalize left out (exact on equal pixels, it spreads its input's small differences over whole
-levels). Measured on the tiny sample: plain 0.19 on a batch and 0.55 on an image; with
+Pixel tolerance, the DALI tests' (tests/pipelines.py assert_pillows_batches): at most 1.0 of
+255 on average over a batch, 3.0 on any image, 6.0 with auto-augment (whose ops spread the
+decoders' small differences: solarize flips a value near its threshold, posterize drops a bit),
+images that get Equalize left out (exact on equal pixels, it spreads its input's small
+differences over whole levels). Measured on the tiny sample: plain 0.19 on a batch and 0.55 on an image; with
 TA-wide, RandAugment and AutoAugment at most 0.32 and 4.2.
 """
 
@@ -28,7 +28,7 @@ from app.data.pillow_pipeline import apply_on_pil
 from app.data.resolution import TrainSizes
 from app.data.sampler import ShardedBatches
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
-from pipelines import (batches_of, corrupt_huffman_tables, equalized, level_difference,
+from pipelines import (assert_pillows_batches, batches_of, damage_five, level_difference,
                        sample_photos, spec_for, wide_ops)
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -38,21 +38,7 @@ CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
     ("train", "off"), ("val", "off"), ("train", "ta_wide"), ("train", "ra"),
     ("train", "imagenet")])
 def test_nvjpeg_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment):
-    """Whole epochs, so the CMYK, grayscale and PNG-named-.JPEG files are among them."""
-    root = DatasetRoot("tiny", str(tiny_sample))
-    frame = getattr(load_tables(root), split)
-    recipe = TrainRecipe(32, auto_augment=auto_augment) if split == "train" else EvalRecipe(32)
-    spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 24, seed=1,
-                                                        shuffle=split == "train"))
-    pillow = batches_of("pillow", spec, epoch=2, start_step=1)
-    nvjpeg = batches_of("nvjpeg", spec, epoch=2, start_step=1)
-    assert len(nvjpeg) == len(pillow) == spec.batches.steps_per_epoch() - 1
-    image_mean = 3.0 if auto_augment == "off" else 6.0
-    for step, (a, b) in enumerate(zip(pillow, nvjpeg), start=1):
-        assert torch.equal(a.labels, b.labels) and a.images.shape == b.images.shape
-        assert b.images.dtype == torch.float32 and b.images.is_contiguous() and not b.skipped
-        pixels = level_difference(a.images, b.images)[~equalized(root, frame, spec, 2, step)]
-        assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
+    assert_pillows_batches("nvjpeg", tiny_sample, split, auto_augment)
 
 
 def test_the_ops_on_tensors_are_pillows(tiny_sample):
@@ -85,24 +71,18 @@ def quirky(root, paths) -> dict[str, str]:
 
 
 def test_bad_files_are_skipped_and_quirky_ones_decoded_as_pillow_does(tiny_copy):
-    root = DatasetRoot("t", str(tiny_copy))
-    frame = load_tables(root).train
-    batches = ShardedBatches(len(frame), 64, seed=0)
-    first = [index for index, _ in next(iter(batches))]
-    (tiny_copy / frame.path[first[0]]).write_bytes(b"")
-    (tiny_copy / frame.path[first[1]]).write_text("<html>403</html>")
-    corrupt_huffman_tables(tiny_copy / frame.path[first[2]])  # fails the batch's decode call
-    (tiny_copy / frame.path[first[3]]).unlink()
-    later = frame.path[[index for index, _ in list(iter(batches))[2]][5]]  # in step 2
-    (tiny_copy / later).write_bytes((tiny_copy / later).read_bytes()[:-400])  # truncated
+    # cut at its end: the header is whole, the end of image marker gone; the Huffman file
+    # fails the batch's decode call, then its own, then Pillow's
+    root, frame, batches, damaged = damage_five(tiny_copy, slice(None, -400))
     spec = spec_for(root, frame, TrainRecipe(24, auto_augment="ta_wide"), batches)
     out = batches_of("nvjpeg", spec, 0, 0)
     reasons = {s.path: s.reason for b in out for s in b.skipped}
-    assert set(reasons) == {*frame.path[first[:4]], later}
-    assert reasons[frame.path[first[0]]] == "empty file"
-    assert reasons[frame.path[first[3]]] == "missing"
-    assert reasons[frame.path[first[2]]].startswith("not decodable: broken data stream")
-    assert reasons[later] == "not decodable: truncated (no end of image after the last scan)"
+    assert set(reasons) == set(damaged.values())
+    assert reasons[damaged["empty"]] == "empty file"
+    assert reasons[damaged["missing"]] == "missing"
+    assert reasons[damaged["huffman"]].startswith("not decodable: broken data stream")
+    assert reasons[damaged["truncated"]] == \
+        "not decodable: truncated (no end of image after the last scan)"
     assert sum(len(b) for b in out) == len(frame) - 5 and len(out) == 5
     # The same files are bad for Pillow, so the batches align image for image: the CMYK JPEG
     # and the PNG come from Pillow in the loader (its pixels exactly), the grey JPEG from
