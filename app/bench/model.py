@@ -68,7 +68,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
             torch.compile(model, dynamic=False)
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **OPTIMIZER_STEPS[optimizer_step])
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                        **OPTIMIZER_STEPS[optimizer_step])
     memory_format = torch.channels_last if precision.channels_last else torch.contiguous_format
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
                          ).contiguous(memory_format=memory_format)

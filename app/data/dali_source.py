@@ -41,10 +41,10 @@ def placeholder() -> bytes:
 def prepare(data: bytes) -> tuple[int, int, bytes]:
     """(height, width, bytes for DALI) from what the header says, or BadImage.
 
-    Truncated files are caught here (open_complete), because DALI may fill the missing part
-    with grey instead of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else (CMYK JPEGs,
-    palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow, exactly as
-    the Pillow path does, and handed over as a lossless PNG."""
+    Truncated files are caught here (open_complete): DALI may fill the missing part with grey
+    instead of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else
+    (CMYK JPEGs, palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow,
+    exactly as the Pillow path does, and handed over as a lossless PNG."""
     image = open_complete(data)
     if (image.format, image.mode) not in NATIVE:
         buffer = io.BytesIO()
