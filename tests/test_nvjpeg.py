@@ -6,8 +6,8 @@ Pixel tolerance, the DALI tests' (tests/pipelines.py assert_pillows_batches): at
 255 on average over a batch, 3.0 on any image, 6.0 with auto-augment (whose ops spread the
 decoders' small differences: solarize flips a value near its threshold, posterize drops a bit),
 images that get Equalize left out (exact on equal pixels, it spreads its input's small
-differences over whole levels). Measured on the tiny sample: plain 0.19 on a batch and 0.55 on an image; with
-TA-wide, RandAugment and AutoAugment at most 0.32 and 4.2.
+differences over whole levels). Measured on the tiny sample: plain 0.19 on a batch and 0.55
+on an image; with TA-wide, RandAugment and AutoAugment at most 0.32 and 4.2.
 """
 
 import json

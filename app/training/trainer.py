@@ -3,8 +3,9 @@ grad scaler, precision, input pipelines, position, epoch sums) and runs its loop
 
 The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
 save/stop request. Its clock (pace.py) tells how much of each interval went to waiting for
-batches, and how long the run has left. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
-forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
+batches, and how long the run has left. Everything parallel hides behind `sync`
+(app/parallel: `sync.step()` wraps forward and backward, `sync.finish_step()` waits for the
+averaged gradients); numerics behind
 `precision`; saving and stopping on request behind `requests` (app/runtime/interrupts.py).
 Losses stay on the device and are fetched every print interval, not every step. Both input
 pipelines are opened before the first step, so what they reserve for the run is taken at its
