@@ -131,8 +131,3 @@ def test_gpu_day_probes_a_machine_without_a_gpu(tmp_path):
     assert "- GPUs: none" in (tmp_path / "out" / "summary.md").read_text()
     refused = bench("gpu-day", "--parts", "nonsense", "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "unknown parts nonsense" in refused.stderr
-
-
-def test_sync_bench_refuses_an_unknown_mode():
-    result = bench("sync", "--modes", "ps,sideways")
-    assert result.returncode == 2 and "--modes: known: local, ps, allreduce" in result.stderr

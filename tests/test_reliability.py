@@ -279,7 +279,7 @@ def damage(folder, relative, how):
     return relative
 
 
-@pytest.mark.parametrize("decoder", ["pillow", "dali"])
+@pytest.mark.parametrize("decoder", ["pillow", "dali", "nvjpeg"])
 def test_bad_images_are_skipped_listed_and_bounded(tmp_path, tiny_copy, catalog_for, decoder):
     train = sorted((tiny_copy / "ILSVRC/Data/CLS-LOC/train").rglob("*.JPEG"))
     val = sorted((tiny_copy / "ILSVRC/Data/CLS-LOC/val").glob("*.JPEG"))
