@@ -2,6 +2,7 @@
 gpu-check's report (on a machine without a GPU it still writes one, with every gpu test
 skipped)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -102,6 +103,18 @@ def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
         assert row["ratio_to_peer"] == row["images_per_s"] / peer["images_per_s"]
         assert row["share_of_model_only"] == row["images_per_s"] / \
             data["model_only"]["images_per_s"]
+
+
+def test_model_only_compiled_by_regions_is_the_trainers_compile():
+    """e2e's model-only row compiles as training does (each block); the eager backend keeps
+    it quick on a CPU."""
+    from app.bench import model
+    from app.training.speed import compiled_graphs
+    before = compiled_graphs()
+    row = model.measure("test_resnet", dataclasses.replace(model.OURS_REGIONS, backend="eager"),
+                        4, 32, "cpu", steps=2, warmup=1)
+    assert row["compile"] and row["regions"] and row["images_per_s"] > 0
+    assert compiled_graphs() - before == 4  # test_resnet's 4 blocks, all unlike
 
 
 def test_e2e_bench_skips_dali_where_it_does_not_import(monkeypatch):

@@ -89,6 +89,7 @@ def ours(setup: Setup, decoder: str) -> dict:
         finally:
             trainer.close()
             del trainer, batches  # the next decoder's run starts with this one's memory free
+            torch._dynamo.reset()  # and compiles its own modules (from the caches on disk)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 

@@ -33,6 +33,7 @@ class ModelSetting:
     channels_last: bool
     compile: bool  # the whole model, or with `regions` each block of its stages
     regions: bool = False
+    backend: str = "inductor"  # torch.compile's
 
 
 OURS = ModelSetting("ours: bf16, channels_last, compiled", "auto", True, True)
@@ -64,8 +65,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     torch._dynamo.reset()
     forward = model
     if setting.compile:
-        forward = CompiledForFullBatches(model, batch_size) if setting.regions else \
-            torch.compile(model, dynamic=False)
+        forward = CompiledForFullBatches(model, batch_size, setting.backend) if \
+            setting.regions else torch.compile(model, dynamic=False, backend=setting.backend)
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
