@@ -12,10 +12,11 @@ code), the tensor side computes what Pillow does, so that both paths give the sa
   kernel blends the fill into the edge pixels and rounds;
 - Color, Contrast: Pillow's integer luma and its float32 blend, truncated; torchvision's has
   float weights;
-- AutoContrast: Pillow's lookup table (x * scale + offset in float64, truncated).
+- AutoContrast: Pillow's lookup table (x * scale + offset in float64, truncated);
+- Sharpness: Pillow's smoothing filter in integers (a float convolution may run in TF32).
 On a GPU nothing here makes a tensor from host values (torchvision's tensor affine and
 sharpness copy a small matrix or kernel from the host, which waits for the device): Python
-scalars and in-place fills instead, so the ops never stall the training loop.
+scalars instead, so the ops never stall the training loop.
 """
 
 from __future__ import annotations
@@ -143,17 +144,21 @@ def contrast(image: Picture, offset: float) -> Picture:
 
 def sharpness(image: Picture, offset: float) -> Picture:
     """Away from ImageFilter.SMOOTH (3x3: 1s around a 5, over 13; rounded, the 1-pixel border
-    kept). torchvision's tensor kernel computes the same but copies its 3x3 kernel from the
-    host, a wait for the device: here it is filled in place."""
+    kept). On a tensor in integers: a float convolution may run in TF32 on a GPU, and
+    torchvision's tensor kernel copies its 3x3 kernel from the host, a wait for the device.
+    The sum over 13 is never within 1/26 of a half, so Pillow's float32 rounding and this exact
+    one agree."""
     if not isinstance(image, torch.Tensor):
         return F.adjust_sharpness(image, 1.0 + offset)
-    if min(image.shape[1:]) < 3:
+    _, height, width = image.shape
+    if min(height, width) < 3:
         return image
-    kernel = torch.full((3, 1, 3, 3), 1 / 13, device=image.device)
-    kernel[:, :, 1, 1] = 5 / 13
-    smooth = torch.nn.functional.conv2d(image.float()[None], kernel, groups=3)[0]
-    degenerate = image.int()
-    degenerate[:, 1:-1, 1:-1] = smooth.add_(0.5).floor_().int()
+    pixels = image.int()
+    window = sum(pixels[:, dy:height - 2 + dy, dx:width - 2 + dx]
+                 for dy in range(3) for dx in range(3))
+    weighted = window + 4 * pixels[:, 1:-1, 1:-1]
+    degenerate = pixels.clone()
+    degenerate[:, 1:-1, 1:-1] = torch.div(2 * weighted + 13, 26, rounding_mode="floor")
     return blend(degenerate, image, offset)
 
 
