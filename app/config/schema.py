@@ -79,8 +79,10 @@ class DataConfig:
         choices=("cls", "csv", "listing"))
     decoder: str = param(
         "auto", "input pipeline: dali = NVIDIA DALI (the GPU's hardware JPEG decoder; on a CPU "
-        "its CPU operators), pillow = Pillow in DataLoader processes, auto = dali on CUDA when "
-        "DALI is installed, else pillow", choices=("auto", "dali", "pillow"))  # + DECODERS
+        "its CPU operators), nvjpeg = torchvision's batched nvJPEG decode on the training GPU "
+        "(nothing to install; libjpeg-turbo on a CPU), pillow = Pillow in DataLoader "
+        "processes, auto = on CUDA dali when DALI is installed, else nvjpeg; on a CPU pillow",
+        choices=("auto", "dali", "nvjpeg", "pillow"))  # + DECODERS
     hw_decoder_load: float = param(
         1.0, "DALI on a GPU: share of each batch for the hardware JPEG decoder (1.0: every "
         "image it can take, independent of the batch)", check=(lambda v: 0 <= v <= 1,

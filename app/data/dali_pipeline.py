@@ -28,7 +28,7 @@ from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from app.data.dali_memory import decoder_memory
+from app.data.dali_memory import decoder_memory, largest_image
 from app.data.dali_ops import augment
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
@@ -43,7 +43,6 @@ READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64,
                 types.UINT8, types.FLOAT]
 OPS_TYPES = [types.INT32, types.FLOAT64]  # with auto-augment: op ids, magnitudes
 BATCHES_AHEAD = 2  # per reader process
-LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
 
 
 class DaliPipeline:
@@ -56,8 +55,13 @@ class DaliPipeline:
         self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
         # the decoder's threads and buffers, sized for this split (app/data/dali_memory.py);
         # a fixed order marks the evaluation pass
-        self.memory = decoder_memory("train" if spec.batches.shuffle else "val",
-                                     spec.batches.batch_size, spec.workers)
+        split = "train" if spec.batches.shuffle else "val"
+        self.memory = decoder_memory(split, spec.batches.batch_size, spec.workers)
+        self.largest = largest_image(spec.root, spec.frame.path) if \
+            spec.form.device.type == "cuda" else None  # only the mixed decoder preallocates
+        if self.largest:
+            log.info("DALI (%s): the decoder preallocates for %d x %d, the largest of a sample "
+                     "of the images", split, *self.largest)
 
     def steps_per_epoch(self) -> int:
         return self.spec.batches.steps_per_epoch()
@@ -140,8 +144,9 @@ class DaliPipeline:
         image it can take there, so which decoder an image meets does not depend on its batch;
         `affine=False` leaves the cores unpinned for the other workers of the machine;
         fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow; per-thread
-        buffers as this split's sizing says."""
-        width, height = LARGEST_IMAGE
+        buffers as this split's sizing says, preallocated for the largest image of a sample of
+        the split (app/data/dali_memory.py)."""
+        width, height = self.largest
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
                 **self.memory.decoder_options(), "affine": False,

@@ -21,13 +21,11 @@ from PIL import Image
 from app.catalog.storage import DatasetRoot
 from app.data.augment import Plan, Recipe
 from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
-from app.data.decode import BadImage, open_image, to_rgb
+from app.data.decode import BadImage, open_complete, to_rgb
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.runtime.interrupts import ignore_stop_signals
 
-JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
-PNG_END = b"IEND\xaeB`\x82"
 NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
 OP_IDS = {name: index for index, name in enumerate(OP_NAMES)}
 
@@ -43,15 +41,11 @@ def placeholder() -> bytes:
 def prepare(data: bytes) -> tuple[int, int, bytes]:
     """(height, width, bytes for DALI) from what the header says, or BadImage.
 
-    Truncated files are caught here, because DALI may fill the missing part with grey instead
-    of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else (CMYK JPEGs,
-    palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow, exactly as
-    the Pillow path does, and handed over as a lossless PNG."""
-    image = open_image(data)
-    if image.format == "JPEG" and JPEG_END not in data[data.rfind(JPEG_SCAN):]:
-        raise BadImage("not decodable: truncated (no end of image after the last scan)")
-    if image.format == "PNG" and not data.rstrip(b"\0").endswith(PNG_END):
-        raise BadImage("not decodable: truncated PNG (no IEND chunk at its end)")
+    Truncated files are caught here (open_complete): DALI may fill the missing part with grey
+    instead of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else
+    (CMYK JPEGs, palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow,
+    exactly as the Pillow path does, and handed over as a lossless PNG."""
+    image = open_complete(data)
     if (image.format, image.mode) not in NATIVE:
         buffer = io.BytesIO()
         to_rgb(image).save(buffer, "PNG", compress_level=1)

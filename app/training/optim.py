@@ -46,9 +46,10 @@ def scaled_lr(config: OptimConfig, global_batch: int) -> float:
 
 def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
                     fused: bool = False) -> torch.optim.Optimizer:
-    """`fused`: one kernel per step that also takes fp16 loss scaling's inf check as a tensor,
-    so GradScaler.step skips a step on the device instead of asking the host (a sync per
-    step with the default implementation)."""
+    """`fused` (SGD, AdamW; Precision.fused_step says when): one kernel per step, which also
+    takes fp16 loss scaling's inf check as a tensor, so GradScaler.step skips a step on the
+    device instead of asking the host (a sync per step with the default implementation).
+    Otherwise torch's default: foreach on CUDA, a loop over the parameters on a CPU."""
     groups = param_groups(model, config.weight_decay, config.norm_weight_decay,
                           config.bias_weight_decay)
     lr = scaled_lr(config, global_batch)

@@ -112,14 +112,17 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compile_time_record(step_started: float, size: int, device: torch.device) -> dict:
+def report_compile_time(step_started: float, device: torch.device, size: int, logger,
+                        step: int) -> None:
     """The first compiled step at each train size includes the compilation (about a minute
-    for a ResNet-50): worth a record of its own, with the count of compiled graphs (one per
-    region, mode and size, never one per step). Waits for the device once per size."""
+    for a ResNet-50): worth a record of its own, logged at optimizer step `step`, with the
+    count of compiled graphs (one per region, mode and size, never one per step). Waits for
+    the device once per size."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - step_started
     graphs = compiled_graphs()
     log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
              "so far: %d", size, seconds, graphs)
-    return {"compile/first_step_s": seconds, "compile/graphs": graphs, "train/image_size": size}
+    logger.log_metrics(step, {"compile/first_step_s": seconds, "compile/graphs": graphs,
+                              "train/image_size": size})
