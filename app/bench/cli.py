@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     threads.add_argument("-b", "--batch-size", type=int, default=32, help="per replica")
     threads.add_argument("--image-size", type=int, default=64)
     threads.add_argument("--devices", default="cpu,cpu", help="replica devices: cpu,cpu; "
-                         "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1")
+                         "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1; all (one per GPU)")
     threads.add_argument("--dataset", default="sample")
     threads.add_argument("--catalog", default="datasets.toml")
     threads.add_argument("-j", "--workers", type=int, default=1, help="loader processes per "

@@ -128,18 +128,11 @@ def model_lines(f: dict) -> list[str]:
 
 
 def threads_lines(f: dict) -> list[str]:
+    if "skipped" in f:
+        return [f"- skipped: {f['skipped']}"]
     lines = ["| replicas as | images/s |", "| --- | --- |"]
     lines += [f"| {r['mode']} | {r['images_per_s']:,.0f} |" for r in f["results"]]
     return lines + ["", f"threads / processes: {f['threads_over_processes']:.3f}"]
-
-
-def threads_per_gpu(paths: Paths) -> list[str]:
-    """A replica per GPU of the machine; with one GPU there is nothing to add to `threads`."""
-    import torch  # noqa: PLC0415
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        return [PYTHON, "-c", "print('one GPU: the threads part has its figures')"]
-    return threads_bench(paths, "threads_per_gpu", ",".join(f"cuda:{i}" for i in range(gpus)))
 
 
 def threads_bench(paths: Paths, name: str, devices: str) -> list[str]:
@@ -223,8 +216,9 @@ PARTS = [
     Part("threads", "replicas as threads vs as processes (the Python API), two on one GPU, "
          "eager, one epoch of the bench sample each", 90,
          lambda p: threads_bench(p, "threads", "cuda:0,cuda:0"), summary=threads_lines),
-    Part("threads_per_gpu", "the same with a replica per GPU of the machine (two or more)", 90,
-         threads_per_gpu, summary=threads_lines),
+    Part("threads_per_gpu", "the same with a replica per GPU of the machine (skipped with "
+         "one)", 90, lambda p: threads_bench(p, "threads_per_gpu", "all"),
+         summary=threads_lines),
     Part("gpu_tests", f"the gpu tests, fastest first, {TEST_TIMEOUT_S} s each", 600, gpu_tests,
          collect=test_figures, summary=test_lines,
          env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}),

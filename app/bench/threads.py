@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from app.loggers.plots import load_metrics
+from app.launch.api_inputs import resolve_devices
 from app.launch.python_api import open_catalog, prepare_training, train
 from app.models.factory import create_model
 
@@ -23,6 +24,12 @@ MODES = ("processes", "threads")
 
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset: str,
         catalog: str, workers: int, steps: int) -> dict:
+    """`devices` ["all"]: a replica per GPU of the machine; with fewer than two there is
+    nothing to compare, and the report says so."""
+    if devices == ["all"]:
+        devices = resolve_devices("all")
+        if len(devices) < 2:
+            return {"skipped": f"--devices all: one device ({devices[0]}), nothing to compare"}
     data = open_catalog(catalog).dataset(dataset)
     train_set = data.split("train")
     val_set = data.split("val")
@@ -55,6 +62,8 @@ def interval_rates(metrics: Path) -> list[float]:
 
 
 def format_report(report: dict) -> str:
+    if "skipped" in report:
+        return report["skipped"]
     lines = [f"{report['arch']}, batch {report['batch_per_replica']} per replica, "
              f"{report['image_size']} px, devices {','.join(report['devices'])}, "
              f"{report['dataset']} ({report['train_images']} train images), -j "
