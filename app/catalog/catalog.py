@@ -26,7 +26,7 @@ ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "url": str, "url_env": str, "sample": str, "seed": int, "image_size": int,
     "region": str, "profile": str, "endpoint_url": str, "anon": bool,
     "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int, "layout": str,
-    "reader": str,
+    "reader": str, "train_shards": str, "val_shards": str, "window": int,
 }
 # What to check when an object store cannot be reached, by store.
 CREDENTIAL_HINTS = {
@@ -183,5 +183,5 @@ def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reader_options(entry: dict[str, Any]) -> dict[str, Any]:
-    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader")
-            if key in entry}
+    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader",
+                                        "train_shards", "val_shards", "window") if key in entry}
