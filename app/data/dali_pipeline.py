@@ -1,7 +1,7 @@
 """The DALI input pipeline: our recipe, NVIDIA's engine.
 
 Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's
-bytes through our BlobReader and hand DALI each image's crop box and flip from the recipe's
+bytes through app/data/samples.py (files or shards) and hand DALI each image's crop box and flip from the recipe's
 plan(), so data order and augmentation stay functions of (seed, epoch, image) and exact resume
 holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
 JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
@@ -182,7 +182,7 @@ class DaliPipeline:
     def redo_with_pillow(self, epoch: int, step: int) -> DeviceBatch:
         spec = self.spec
         if self.fallback is None:
-            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe)
+            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe, spec.batches)
         items = spec.batches.items(spec.batches.order(epoch), epoch, step)
         host = collate(self.fallback.__getitems__(BatchRequest(items, [], epoch)))
         images, labels = self.to_device(host.images, host.labels)
