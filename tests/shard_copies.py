@@ -26,22 +26,30 @@ from app.catalog.tables import load_tables
 SPLITS = {"train": "train", "val": "validation"}
 
 
-def rows(source: Path, split: str, shards: int, seed: int = 0) -> list[list[tuple[str, bytes, int]]]:
-    """(file name, bytes, label) of a split of `source`, shuffled and dealt into `shards`."""
+NOT_AN_IMAGE = b"<html>403 Forbidden</html>\n"
+
+
+def rows(source: Path, split: str, shards: int, seed: int = 0, corrupt: int | None = None
+         ) -> list[list[tuple[str, bytes, int]]]:
+    """(file name, bytes, label) of a split of `source`, shuffled and dealt into `shards`;
+    the bytes of the `corrupt`-th train sample (in that order) are not an image."""
     frame = getattr(load_tables(DatasetRoot("source", str(source))), split)
     order = np.random.default_rng(seed).permutation(len(frame))
     samples = [(Path(frame.path[i]).name, (source / frame.path[i]).read_bytes(),
                 int(frame.label[i])) for i in order]
+    if corrupt is not None and split == "train":
+        name, _, label = samples[corrupt]
+        samples[corrupt] = (name, NOT_AN_IMAGE, label)
     return [list(part) for part in np.array_split(np.array(samples, dtype=object), shards)]
 
 
 def write_wds(source: Path, out: Path, train_shards: int = 4, val_shards: int = 2,
-              info: bool = True) -> Path:
+              info: bool = True, corrupt: int | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
     for split, shards in (("train", train_shards), ("val", val_shards)):
         names, lengths = [], []
-        for number, part in enumerate(rows(source, split, shards)):
+        for number, part in enumerate(rows(source, split, shards, corrupt=corrupt)):
             name = f"imagenet1k-{SPLITS[split]}-{number:04d}.tar"
             with tarfile.open(out / name, "w") as tar:
                 for file_name, data, label in part:
@@ -65,11 +73,11 @@ PARQUET_SCHEMA = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path"
                             ("label", pa.int64())])
 
 
-def write_parquet(source: Path, out: Path, train_shards: int = 3, val_shards: int = 2,
-                  row_group_size: int = 40) -> Path:
+def write_parquet(source: Path, out: Path, train_shards: int = 4, val_shards: int = 2,
+                  row_group_size: int = 40, corrupt: int | None = None) -> Path:
     (out / "data").mkdir(parents=True, exist_ok=True)
     for split, shards in (("train", train_shards), ("val", val_shards)):
-        for number, part in enumerate(rows(source, split, shards)):
+        for number, part in enumerate(rows(source, split, shards, corrupt=corrupt)):
             table = pa.table({
                 "image": [{"bytes": data, "path": file_name} for file_name, data, _ in part],
                 "label": [label for _, _, label in part]}, schema=PARQUET_SCHEMA)

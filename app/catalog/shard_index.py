@@ -126,7 +126,7 @@ def parquet_file(source, shard: str):
     try:
         return pq.ParquetFile(source)
     except (pa.ArrowInvalid, OSError) as error:
-        end = os.path.getsize(source) if isinstance(source, (str, Path)) else "its end"
+        end = os.path.getsize(source) if isinstance(source, (str, Path)) else source.seek(0, 2)
         raise ShardError(f"shard {shard} is truncated or not parquet: no readable footer at "
                          f"byte offset {end} ({first_line(error, 100)}); {REDOWNLOAD}") from None
 

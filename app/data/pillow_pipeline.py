@@ -173,12 +173,22 @@ class PillowPipeline:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
         self.batches.set_epoch(epoch, start_step)
+        failure = None
         try:
             for batch in self.loader:
                 images, labels = self.to_device(batch.images, batch.labels)
                 yield DeviceBatch(images, labels, batch.skipped)
         except UserError as error:  # a damaged shard, met in a loader process
-            raise original_error(error) from None
+            failure = original_error(error)
+        if failure is not None:
+            # Its loader processes stop now: left to garbage collection they may not stop
+            # before the interpreter exits, whose join would then wait for them forever (they
+            # ignore SIGTERM: app/runtime/interrupts.py).
+            iterator = getattr(self.loader, "_iterator", None)
+            if iterator is not None:
+                iterator._shutdown_workers()  # noqa: SLF001 (DataLoader has no public stop)
+            self.close()
+            raise failure
 
     def close(self) -> None:
         self.loader = None  # its persistent worker processes shut down with it

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import pandas as pd
 
-from app.catalog.shard_index import ShardError
+from app.catalog.shard_index import REDOWNLOAD, ShardError
 from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.windows import WindowedBatches
@@ -62,6 +62,11 @@ class ShardSamples:
         shard = int(self.shard_of[row])
         fd, local = self.local(shard)
         ordinal = int(self.name(row).rsplit("#", 1)[1])
+        if ordinal >= len(local.index):  # the info file counted more than the tar holds
+            raise ShardError(f"shard {self.store.root.describe(self.names[shard])} is "
+                             f"truncated: it ends after {len(local.index)} samples, at byte "
+                             f"offset {local.data.stat().st_size}, but the split lists sample "
+                             f"{ordinal}; {REDOWNLOAD}")
         label = int(self.labels[row]) if self.labels[row] >= 0 else int(local.index.labels[ordinal])
         size, offset = int(local.index.sizes[ordinal]), int(local.index.offsets[ordinal])
         if size == 0:

@@ -1,0 +1,168 @@
+"""Shards: the wds and parquet layouts from foreign copies (tests/shard_copies.py writes them as
+Hugging Face lays them out, with tarfile and pyarrow), the windowed order, training from them
+locally and on the loopback S3 server with 2 workers in both sync modes, exact resume after
+SIGTERM with both decoders, bad samples and damaged shards."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from app.catalog.shard_index import ShardError
+from app.catalog.shards import load_tables as shard_tables
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
+from app.data.windows import WindowedBatches
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from conftest import run_driver, skipped_rows, write_catalog
+from s3 import FaultyProxy
+from shard_copies import rows, write_parquet, write_wds
+from test_reliability import EXACT, assert_bit_identical, last, stop_with_sigterm_after
+
+CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory, tiny_sample):
+    """The tiny sample as timm's wds copy (with a sample that is not an image) and as
+    imagenet-1k's parquet copy: the same samples in the same shards, in the same order."""
+    folder = tmp_path_factory.mktemp("shards")
+    return {"wds": write_wds(tiny_sample, folder / "wds", corrupt=CORRUPT),
+            "parquet": write_parquet(tiny_sample, folder / "parquet", corrupt=CORRUPT)}
+
+
+def entry(url, layout, **options):
+    return {"url": str(url), "layout": layout, "window": 2, **options}
+
+
+def test_both_layouts_list_the_source_samples_with_imagenet_classes(copies, tiny_sample,
+                                                                    tmp_path):
+    source = load_tables(DatasetRoot("source", str(tiny_sample)))
+    expected = sorted(label for part in rows(tiny_sample, "train", 4) for _, _, label in part)
+    for layout, folder in copies.items():
+        tables = shard_tables(DatasetRoot(layout, str(folder), layout=layout))
+        assert tables.num_classes == 1000 and tables.descriptions[1].startswith("goldfish")
+        assert len(tables.train) == len(source.train) and len(tables.val) == len(source.val)
+        assert tables.train.path[85].endswith("-0001.tar#5" if layout == "wds"
+                                              else "train-00001-of-00004.parquet#5")
+        assert list(np.bincount(tables.train.shard)) == [80, 80, 80, 80]
+        if layout == "parquet":  # the labels are read ahead; wds's come with the samples
+            assert sorted(tables.train.label) == expected
+    # --classes: samples of other classes are passed over using the shards' class indices
+    # (the wds copy without _info.json: its tars are scanned once, as for counting)
+    bare = write_wds(tiny_sample, tmp_path / "bare", info=False)
+    for root in (DatasetRoot("wds", str(bare), layout="wds"),
+                 DatasetRoot("parquet", str(copies["parquet"]), layout="parquet")):
+        subset = shard_tables(root, 3)
+        assert subset.wnids == source.wnids[:3] and len(subset.train) == 96
+        assert set(subset.train.label) == {0, 1, 2} and len(subset.val) == 30
+
+
+def test_the_windowed_order_is_a_function_of_seed_and_epoch_split_among_ranks():
+    shards = np.repeat(np.arange(7), [5, 9, 0, 6, 8, 7, 5])  # a shard with no samples left
+    one = WindowedBatches(shards, 12, window=3, seed=4)
+    order = one.order(2)
+    assert sorted(order) == list(range(len(shards)))  # every sample once
+    start = 0
+    for window in one.windows(2):  # a window's samples come together, from its shards only
+        size = int(sum(np.bincount(shards, minlength=7)[window]))
+        assert set(shards[order[start:start + size]]) <= set(window)
+        start += size
+    assert not np.array_equal(order, one.order(3)) and np.array_equal(order, one.order(2))
+    halves = [WindowedBatches(shards, 6, window=3, seed=4, rank=r, world_size=2) for r in (0, 1)]
+    for step in range(one.steps_per_epoch()):  # 2 workers x 6 == 1 worker x 12
+        assert one.items(order, 2, step) == [item for half in halves
+                                             for item in half.items(half.order(2), 2, step)]
+
+
+def test_damaged_parquet_shards_name_the_shard_and_where(copies, tmp_path):
+    folder = shutil.copytree(copies["parquet"], tmp_path / "copy")
+    shard = folder / "data" / "train-00002-of-00004.parquet"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ShardError, match=rf"train-00002-of-00004.parquet is truncated .* byte "
+                                         rf"offset {len(data) // 2}"):
+        shard_tables(DatasetRoot("copy", str(folder), layout="parquet"))
+
+
+def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sample(
+        copies, tmp_path, s3_server):
+    """From the bucket (local copies train in the resume tests below): a shard is fetched
+    once for the machine, whichever rank asks first, and samples are read from there."""
+    bucket = {layout: s3_server.upload(folder, "shards", layout)
+              for layout, folder in copies.items()}
+    proxy = FaultyProxy(s3_server.endpoint)  # counts the requests
+    s3 = {"endpoint_url": proxy.endpoint, "cache_dir": str(tmp_path / "cache")}
+    catalog = write_catalog(tmp_path / "datasets.toml", {
+        layout: entry(url, layout, **s3) for layout, url in bucket.items()})
+    try:
+        requests = {}
+        for dataset, sync in (("wds", "ps"), ("parquet", "allreduce")):
+            before = proxy.counts["requests"]
+            result = run_driver("--catalog", str(catalog), "--dataset", dataset, "-a",
+                                "test_resnet", "--image-size", "32", "-b", "16", "-j", "0",
+                                "--epochs", "1", "--devices", "cpu,cpu", "--sync", sync,
+                                "--run-name", dataset, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            requests[dataset] = proxy.counts["requests"] - before
+            assert "320 train / 100 val images" in result.stderr
+            (row,) = skipped_rows(tmp_path / "runs" / dataset)
+            assert row["path"].endswith("0001.tar#5" if dataset == "wds"
+                                        else "train-00001-of-00004.parquet#5")
+            assert row["reason"].startswith("not decodable"), row
+    finally:
+        proxy.stop()
+    # 420 samples each; a per-image layout makes 420 GETs. Here: a GET per shard (6), the
+    # parquet files' footers and labels, and the catalog's lists and lookups.
+    assert requests["wds"] <= 6 + 12 and requests["parquet"] <= 6 * 4 + 12, requests
+
+
+def test_a_truncated_tar_ends_the_run_with_one_line(copies, tmp_path):
+    folder = shutil.copytree(copies["wds"], tmp_path / "copy")
+    shard = folder / "imagenet1k-train-0003.tar"
+    shard.write_bytes(shard.read_bytes()[:40_000])
+    catalog = write_catalog(tmp_path / "datasets.toml", {"copy": entry(folder, "wds")})
+    result = run_driver("--catalog", str(catalog), "-a", "test_resnet", "--image-size", "32",
+                        "-b", "32", "-j", "1", "--epochs", "1", cwd=tmp_path)  # a loader process
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: shard {shard} is truncated: ") and \
+        "at byte offset" in message and "40000" in message, message
+
+
+@pytest.fixture(scope="module")
+def straight(copies, tmp_path_factory):
+    """The last checkpoint of an uninterrupted 2-worker run per decoder, from the parquet copy:
+    a run from the wds copy must end identical to it (same samples, shards and order)."""
+    cwd = tmp_path_factory.mktemp("straight")
+    catalog = write_catalog(cwd / "datasets.toml", {
+        layout: entry(folder, layout) for layout, folder in copies.items()})
+    ends = {}
+
+    def end_of(decoder: str) -> dict:
+        if decoder not in ends:
+            result = run_driver("--catalog", str(catalog), "--dataset", "parquet", *EXACT,
+                                "-b", "4", "--devices", "cpu,cpu", "--decoder", decoder,
+                                "--run-name", decoder, cwd=cwd)
+            assert result.returncode == 0, result.stderr
+            ends[decoder] = last(cwd / "runs" / decoder)
+        return ends[decoder]
+    return end_of, catalog
+
+
+@pytest.mark.parametrize("layout, decoder, sync", [("wds", "pillow", "ps"),
+                                                   ("wds", "dali", "allreduce"),
+                                                   ("parquet", "dali", "ps")])
+def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, layout, decoder,
+                                                          sync):
+    end_of, catalog = straight
+    flags = ("--catalog", str(catalog), "--dataset", layout, *EXACT, "-b", "4", "--devices",
+             "cpu,cpu", "--sync", sync, "--decoder", decoder, "--run-name", "cut")
+    code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    cut = last(tmp_path / "runs" / "cut")
+    assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
+    resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bit_identical(end_of(decoder), last(tmp_path / "runs" / "cut"))
+
