@@ -3,20 +3,26 @@ Hugging Face lays them out, with tarfile and pyarrow), the windowed order, train
 locally and on the loopback S3 server with 2 workers in both sync modes, exact resume after
 SIGTERM with both decoders, bad samples and damaged shards."""
 
+import json
 import shutil
+import tarfile
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from app.catalog.shard_index import ShardError
+from app.catalog.shard_writer import main as make_shards
 from app.catalog.shards import load_tables as shard_tables
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
 from app.data.windows import WindowedBatches
+from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import run_driver, skipped_rows, write_catalog
 from s3 import FaultyProxy
-from shard_copies import rows, write_parquet, write_wds
+from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
 from test_reliability import EXACT, assert_bit_identical, last, stop_with_sigterm_after
 
 CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
@@ -166,3 +172,72 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, la
     assert resumed.returncode == 0, resumed.stderr
     assert_bit_identical(end_of(decoder), last(tmp_path / "runs" / "cut"))
 
+
+
+def test_make_shards_writes_what_the_layouts_and_other_readers_read_and_resumes(
+        tiny_sample, tmp_path):
+    catalog = write_catalog(tmp_path / "datasets.toml", {"tiny": {"url": str(tiny_sample)}})
+    source = load_tables(DatasetRoot("source", str(tiny_sample)))
+    by_name = {Path(path).name: (tiny_sample / path, label)
+               for frame in (source.train, source.val) for path, label in zip(frame.path,
+                                                                            frame.label)}
+    for layout in ("wds", "parquet"):
+        out = tmp_path / layout
+        assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", layout,
+                            str(out), "--shard-size", "60KB"]) == 0
+        tables = shard_tables(DatasetRoot(layout, str(out), layout=layout))
+        assert tables.wnids == source.wnids and tables.descriptions == source.descriptions
+        assert (len(tables.train), len(tables.val)) == (len(source.train), len(source.val))
+        assert tables.train.shard.max() >= 5  # several shards, classes mixed in each
+        seen = []
+        for shard in sorted(out.rglob("*.tar" if layout == "wds" else "*.parquet")):
+            seen += check_tar(shard, by_name) if layout == "wds" else check_parquet(shard, by_name)
+        assert sorted(seen) == sorted(by_name)  # every image once, its bytes as they were
+
+    # A run killed part-way left some shards: started again, it keeps them and adds the rest.
+    out = tmp_path / "wds"
+    tars = sorted(out.glob("imagenet1k-train-*.tar"))
+    lost = {path: path.read_bytes() for path in tars[2:4]}
+    for path in lost:
+        path.unlink()
+    (out / "_info.json").unlink()
+    kept = {path: path.stat().st_mtime_ns for path in tars if path not in lost}
+    assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
+                        str(out), "--shard-size", "60KB"]) == 0
+    assert all(path.stat().st_mtime_ns == mtime for path, mtime in kept.items())
+    assert all(path.read_bytes() == data for path, data in lost.items())
+    assert (out / "_info.json").is_file()
+    with pytest.raises(UserError, match="holds shards of another dataset or other arguments"):
+        make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
+                     str(out), "--shard-size", "1MB"])
+
+
+def check_tar(path, by_name) -> list[str]:
+    """Member by member: KEY.jpg (the source's bytes), KEY.cls (its label), KEY.json."""
+    names = []
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+        assert len(members) % 3 == 0
+        for jpg, cls, meta in zip(members[::3], members[1::3], members[2::3]):
+            key = jpg.name[:-len(".jpg")]
+            assert (jpg.name, cls.name, meta.name) == (f"{key}.jpg", f"{key}.cls", f"{key}.json")
+            info = json.loads(tar.extractfile(meta).read())
+            file, label = by_name[info["filename"]]
+            assert tar.extractfile(jpg).read() == file.read_bytes()
+            assert int(tar.extractfile(cls).read()) == label == info["label"]
+            names.append(info["filename"])
+    return names
+
+
+def check_parquet(path, by_name) -> list[str]:
+    """Hugging Face's schema (and the features `datasets` decodes it with); the source's bytes."""
+    schema = pq.read_schema(path)
+    assert schema.remove_metadata() == PARQUET_SCHEMA
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    assert features["image"] == {"_type": "Image"} and features["label"]["_type"] == "ClassLabel"
+    names = []
+    for row in pq.read_table(path).to_pylist():
+        file, label = by_name[row["image"]["path"]]
+        assert row["image"]["bytes"] == file.read_bytes() and row["label"] == label
+        names.append(row["image"]["path"])
+    return names
