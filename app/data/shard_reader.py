@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 
@@ -24,6 +25,7 @@ from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.windows import WindowedBatches
 
+FETCHES_AT_ONCE = 4  # shards fetched side by side by one process
 Sample = tuple[bytes | None, str, int]  # (bytes, "", label) or (None, why not, label)
 
 
@@ -56,7 +58,17 @@ class ShardSamples:
         """`upcoming` is not needed: the next window is fetched ahead instead."""
         if rows:
             self.prefetch_after(int(self.shard_of[rows[0]]), epoch)
+            self.open_all({int(self.shard_of[row]) for row in rows} - set(self._open))
         return [self.sample(row) for row in rows]
+
+    def open_all(self, shards: set[int]) -> None:
+        """The shards a batch needs that are not open here yet, fetched side by side (the
+        first batch of a window needs most of the window's shards)."""
+        if len(shards) > 1:
+            with ThreadPoolExecutor(min(len(shards), FETCHES_AT_ONCE)) as pool:
+                list(pool.map(lambda shard: self.store.open(self.names[shard]), shards))
+        for shard in shards:
+            self.local(shard)
 
     def sample(self, row: int) -> Sample:
         shard = int(self.shard_of[row])
@@ -111,8 +123,8 @@ class ShardSamples:
     def fetch(self, shards: list[str], keep: set[str]) -> None:
         """Best effort: a failure here is met again, and reported, by the read that needs it."""
         try:
-            for shard in shards:
-                self.store.open(shard, wait=False)
+            with ThreadPoolExecutor(FETCHES_AT_ONCE) as pool:
+                list(pool.map(lambda shard: self.store.open(shard, wait=False), shards))
             self.store.evict(keep)
         except Exception:  # noqa: BLE001, S110 (the foreground read reports it)
             pass
