@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from app.catalog import sample
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
-                                 DatasetRoot, scheme_of)
+                                 SHARD_LAYOUTS, DatasetRoot, scheme_of)
 from app.config.tomlfile import read_toml
 from app.runtime.errors import UserError, first_line
 
@@ -132,6 +132,13 @@ def _check_entry(path: Path, name: str, entry: Any) -> None:
                         f"{', '.join(LAYOUTS)}")
     if "reader" in entry:
         _check_reader(where, entry)
+    if entry.get("window", 1) < 1:
+        raise UserError(f"{where}: window = {entry['window']}: a window holds at least one "
+                        "shard; use 1 or more")
+    shard_keys = [key for key in ("train_shards", "val_shards", "window") if key in entry]
+    if shard_keys and entry.get("layout", "kaggle") not in SHARD_LAYOUTS:
+        raise UserError(f"{where}: `{shard_keys[0]}` is for the shard layouts; set layout = "
+                        f"\"{SHARD_LAYOUTS[0]}\" or \"{SHARD_LAYOUTS[1]}\", or remove it")
 
 
 def _check_reader(where: str, entry: dict[str, Any]) -> None:
