@@ -96,8 +96,13 @@ class ShardSamples:
         if shard in self._open:
             self._open.move_to_end(shard)
             return self._open[shard]
-        local = self.store.open(self.names[shard])
-        self._open[shard] = (os.open(local.data, os.O_RDONLY), local)
+        try:
+            local = self.store.open(self.names[shard])
+            fd = os.open(local.data, os.O_RDONLY)
+        except FileNotFoundError:  # evicted by another process in between: fetched again
+            local = self.store.open(self.names[shard])
+            fd = os.open(local.data, os.O_RDONLY)
+        self._open[shard] = (fd, local)
         while len(self._open) > 2 * self.batches.window + 2:
             os.close(self._open.popitem(last=False)[1][0])
         return self._open[shard]
