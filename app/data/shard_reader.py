@@ -25,7 +25,7 @@ from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.windows import WindowedBatches
 
-FETCHES_AT_ONCE = 4  # shards fetched side by side by one process
+FETCHES_AT_ONCE = 4  # shards a batch needs, fetched side by side
 Sample = tuple[bytes | None, str, int]  # (bytes, "", label) or (None, why not, label)
 
 
@@ -127,9 +127,9 @@ class ShardSamples:
 
     def fetch(self, shards: list[str], keep: set[str]) -> None:
         """Best effort: a failure here is met again, and reported, by the read that needs it."""
-        try:
-            with ThreadPoolExecutor(FETCHES_AT_ONCE) as pool:
-                list(pool.map(lambda shard: self.store.open(shard, wait=False), shards))
+        try:  # one at a time: threads of its own could outlive a loader process's exit
+            for shard in shards:
+                self.store.open(shard, wait=False)
             self.store.evict(keep)
         except Exception:  # noqa: BLE001, S110 (the foreground read reports it)
             pass
