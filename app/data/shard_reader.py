@@ -17,6 +17,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.util import Finalize
 
 import pandas as pd
 
@@ -26,6 +27,7 @@ from app.catalog.storage import DatasetRoot
 from app.data.windows import WindowedBatches
 
 FETCHES_AT_ONCE = 4  # shards a batch needs, fetched side by side
+STOP_WAIT_S = 60.0  # for the shard being fetched ahead when the process ends
 Sample = tuple[bytes | None, str, int]  # (bytes, "", label) or (None, why not, label)
 
 
@@ -44,9 +46,11 @@ class ShardSamples:
         self._open: OrderedDict[int, tuple[int, LocalShard]] = OrderedDict()
         self._prefetch: threading.Thread | None = None
         self._prefetched: tuple[int, int] | None = None  # (epoch, window) asked for last
+        self._stopping: threading.Event | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_open": OrderedDict(), "_prefetch": None, "_prefetched": None}
+        return {**self.__dict__, "_open": OrderedDict(), "_prefetch": None, "_prefetched": None,
+                "_stopping": None}
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -121,6 +125,12 @@ class ShardSamples:
         # the window before stays too: a rank a step behind may still read it
         around = windows[max(0, number - 1):number + 1]
         keep = set(wanted) | {self.names[s] for w in around for s in w if s in self.names}
+        if self._stopping is None:
+            self._stopping = threading.Event()
+            # Joined before this process tears down: a loader process that exits while the
+            # thread is still inside native code (pyarrow, numpy) aborts ("terminate called
+            # without an active exception", seen in bench runs).
+            Finalize(self, stop_prefetch, args=(self._stopping, self), exitpriority=10)
         self._prefetch = threading.Thread(target=self.fetch, args=(wanted, keep), daemon=True,
                                           name="shard-prefetch")
         self._prefetch.start()
@@ -129,8 +139,16 @@ class ShardSamples:
         """Best effort: a failure here is met again, and reported, by the read that needs it."""
         try:  # one at a time: threads of its own could outlive a loader process's exit
             for shard in shards:
+                if self._stopping.is_set():
+                    return
                 self.store.open(shard, wait=False)
             self.store.evict(keep)
         except Exception:  # noqa: BLE001, S110 (the foreground read reports it)
             pass
 
+
+def stop_prefetch(stopping: threading.Event, samples: ShardSamples) -> None:
+    """Let the prefetch thread finish the shard it is at, and no more."""
+    stopping.set()
+    if samples._prefetch is not None:  # noqa: SLF001
+        samples._prefetch.join(STOP_WAIT_S)  # noqa: SLF001
