@@ -3,7 +3,7 @@
 `parquet` layouts read (docs/datasets.md, "Shards").
 
     python bin/make_shards.py --dataset imagenet_local --format wds /data/imagenet-wds
-    python bin/make_shards.py --dataset imagenet_s3 --format parquet /data/imagenet-parquet --shard-size 500MB
+    python bin/make_shards.py --dataset imagenet_s3 --format parquet /data/in-pq --shard-size 500MB
 """
 
 import sys

@@ -4,9 +4,10 @@ crop and applies the same ops with the same magnitudes.
 
 The callable is picklable and imports no torch (DALI spawns its processes and imports this
 module there). It reads through app/data/samples.py, so every catalog entry (local, S3,
-cache, shards) works. A bad file never reaches DALI's decoder, which would fail the whole batch: what the
-header tells is checked first, and a bad or missing image travels as a tiny placeholder with
-its reason, so the pipeline drops it and reports it like the Pillow path does.
+cache, shards) works. A bad file never reaches DALI's decoder, which would fail the whole
+batch: what the header tells is checked first, and a bad or missing image travels as a tiny
+placeholder with its reason, so the pipeline drops it and reports it like the Pillow path
+does.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ one worker with batch N*b sees, a run resumes mid-epoch from its step count alon
 rank of a machine reads the shards of the same window: the machine's shared cache fetches
 them once (app/catalog/shard_store.py) and a window ahead (app/data/shard_reader.py).
 
-W trades shuffle quality for disk: samples mix only within a window, and the cache holds three
-windows (the previous, the current and the next). Evaluation reads the shards in order, in windows too.
+W trades shuffle quality for disk: samples mix only within a window, and the cache holds
+three windows (the previous, the current and the next). Evaluation reads the shards in
+order, in windows too.
 """
 
 from __future__ import annotations
