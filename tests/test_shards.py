@@ -124,13 +124,15 @@ def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sampl
     assert requests["wds"] <= 6 + 12 and requests["parquet"] <= 6 * 4 + 12, requests
 
 
-def test_a_truncated_tar_ends_the_run_with_one_line(copies, tmp_path):
+@pytest.mark.parametrize("decoder", ["pillow", "dali"])
+def test_a_truncated_tar_ends_the_run_with_one_line(copies, tmp_path, decoder):
     folder = shutil.copytree(copies["wds"], tmp_path / "copy")
     shard = folder / "imagenet1k-train-0003.tar"
     shard.write_bytes(shard.read_bytes()[:40_000])
     catalog = write_catalog(tmp_path / "datasets.toml", {"copy": entry(folder, "wds")})
     result = run_driver("--catalog", str(catalog), "-a", "test_resnet", "--image-size", "32",
-                        "-b", "32", "-j", "1", "--epochs", "1", cwd=tmp_path)  # a loader process
+                        "-b", "32", "-j", "1", "--epochs", "1", "--decoder", decoder,
+                        cwd=tmp_path)  # the error is met in a loader (or DALI reader) process
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: shard {shard} is truncated: ") and \

@@ -10,13 +10,12 @@ where the model wants plain NCHW, as on a CPU). With auto-augment, the reader al
 each image's op ids and magnitudes, and DALI conditionals run each sample's ops
 (app/data/dali_ops.py) between the flip and the normalisation, torchvision's order.
 
-A bad image never ends a run (a damaged shard does, with its one-line error: the batch is
-redone through Pillow, which raises it): the reader replaces what it cannot read or decode-check with a
+A bad image never ends a run (a damaged shard does, with its one-line error: the batch is redone
+through Pillow, which raises it): the reader replaces what it cannot read or decode-check with a
 placeholder and a reason, and this side drops those images and reports them like the Pillow
 path. Should DALI still fail a batch (a file whose header looked fine), that batch is redone
 through the Pillow path, where the bad file is found and skipped, and the pipeline is rebuilt
-from the next step.
-"""
+from the next step. """
 
 from __future__ import annotations
 
@@ -81,7 +80,12 @@ class DaliPipeline:
             stream = self.consumer_stream()
             try:
                 outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
-            except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
+            except StopIteration:
+                raise
+            except Exception as error:  # noqa: BLE001 (DALI raises both kinds below)
+                # DALI failed the batch (RuntimeError), or one of its reader processes did (a
+                # bare Exception: a damaged shard): the batch is redone with Pillow, which
+                # skips a bad image or raises the reader's own error here; then DALI is rebuilt
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
