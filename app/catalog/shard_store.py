@@ -78,8 +78,11 @@ class ShardStore:
         return LocalShard(data, ShardIndex.load(self.index_path(shard)))
 
     def materialise(self, shard: str) -> None:
+        """Under the shard's lock: any temporary file of this shard is a killed holder's."""
         for folder in ("index", "data"):
             (self.folder / folder).mkdir(parents=True, exist_ok=True)
+            for stale in (self.folder / folder).glob(f".{_flat(shard)}.*"):
+                stale.unlink(missing_ok=True)
         index_file, data = self.index_path(shard), self.data_path(shard)
         if self.in_place:
             index_tar(data, self.root.describe(shard)).save(index_file)
