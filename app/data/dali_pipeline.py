@@ -1,21 +1,21 @@
 """The DALI input pipeline: our recipe, NVIDIA's engine.
 
-Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's
-bytes through our BlobReader and hand DALI each image's crop box and flip from the recipe's
-plan(), so data order and augmentation stay functions of (seed, epoch, image) and exact resume
-holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
-JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
-normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW where the
-model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over each image's
-op ids and magnitudes, and DALI conditionals run each sample's ops (app/data/dali_ops.py)
-between the flip and the normalisation, torchvision's order.
+Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's bytes
+through app/data/samples.py (files or shards) and hand DALI each image's crop box and flip from
+the recipe's plan(), so data order and augmentation stay functions of (seed, epoch, image) and
+exact resume holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with
+the hardware JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's
+filter) and normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW
+where the model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over
+each image's op ids and magnitudes, and DALI conditionals run each sample's ops
+(app/data/dali_ops.py) between the flip and the normalisation, torchvision's order.
 
-Bad data never ends a run: the reader replaces what it cannot read or decode-check with a
+A bad image never ends a run (a damaged shard does, with its one-line error: the batch is redone
+through Pillow, which raises it): the reader replaces what it cannot read or decode-check with a
 placeholder and a reason, and this side drops those images and reports them like the Pillow
 path. Should DALI still fail a batch (a file whose header looked fine), that batch is redone
 through the Pillow path, where the bad file is found and skipped, and the pipeline is rebuilt
-from the next step.
-"""
+from the next step. """
 
 from __future__ import annotations
 
@@ -84,7 +84,12 @@ class DaliPipeline:
             stream = self.consumer_stream()
             try:
                 outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
-            except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
+            except StopIteration:
+                raise
+            except Exception as error:  # noqa: BLE001 (DALI raises both kinds below)
+                # DALI failed the batch (RuntimeError), or one of its reader processes did (a
+                # bare Exception: a damaged shard): the batch is redone with Pillow, which
+                # skips a bad image or raises the reader's own error here; then DALI is rebuilt
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
@@ -187,7 +192,7 @@ class DaliPipeline:
     def redo_with_pillow(self, epoch: int, step: int) -> DeviceBatch:
         spec = self.spec
         if self.fallback is None:
-            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe)
+            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe, spec.batches)
         items = spec.batches.items(spec.batches.order(epoch), epoch, step)
         host = collate(self.fallback.__getitems__(BatchRequest(items, [], epoch)))
         images, labels = self.to_device(host.images, host.labels)

@@ -38,12 +38,12 @@ class Encoded:
 
 
 class EncodedDataset(ImageDataset):
-    def prepare(self, path: str, data: bytes, index: int, seed: int, recipe: Recipe) -> tuple:
+    def prepare(self, path: str, data: bytes, seed: int, recipe: Recipe):
         image = open_complete(data)
         if (image.format, image.mode) not in ON_DEVICE:
-            return apply_on_pil(to_rgb(image), recipe, seed), self.labels[index]
+            return apply_on_pil(to_rgb(image), recipe, seed)
         plan = recipe.plan(image.height, image.width, seed)
-        return Encoded(path, data, plan, recipe.size), self.labels[index]
+        return Encoded(path, data, plan, recipe.size)
 
 
 @dataclass
