@@ -40,7 +40,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from app.catalog.storage import DatasetRoot
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.data.decode import BadImage, open_image
 from app.data.reader import BlobReader
 
@@ -88,7 +88,10 @@ def largest_image(root: DatasetRoot, paths: Sequence[str], sample: int = HINT_SA
                   seed: int = 0) -> tuple[int, int]:
     """(width, height): the largest of each among the headers of `sample` of `paths` (seeded,
     so every worker finds the same), no larger than ImageNet's largest; unreadable files are
-    passed over (the run skips them anyway)."""
+    passed over (the run skips them anyway). Shard layouts keep ImageNet's bound: a header
+    there is read by fetching its whole shard."""
+    if root.layout in SHARD_LAYOUTS:
+        return IMAGENET_LARGEST
     chosen = random.Random(seed).sample(list(paths), min(sample, len(paths)))
     width = height = 0
     for data, _ in BlobReader(root).read_many(chosen):
