@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from app.catalog.dataset import Dataset
 from app.catalog.shard_index import ShardError
 from app.catalog.shard_writer import main as make_shards
 from app.catalog.shards import load_tables as shard_tables
@@ -63,6 +64,18 @@ def test_both_layouts_list_the_source_samples_with_imagenet_classes(copies, tiny
         subset = shard_tables(root, 3)
         assert subset.wnids == source.wnids[:3] and len(subset.train) == 96
         assert set(subset.train.label) == {0, 1, 2} and len(subset.val) == 30
+
+
+def test_the_python_api_reads_a_shard_layout_as_the_driver_does(copies):
+    """app.open_catalog(...).dataset(name).split(...): the same samples and classes."""
+    for layout, folder in copies.items():
+        root = DatasetRoot(layout, str(folder), layout=layout)
+        data = Dataset(root)
+        for name in ("train", "val"):
+            split = data.split(name, classes=range(3))
+            expected = getattr(shard_tables(root, 3), name)
+            assert split.num_classes == 3 and split.classes.wnids == shard_tables(root, 3).wnids
+            assert list(split.frame.path) == list(expected.path)
 
 
 def test_the_windowed_order_is_a_function_of_seed_and_epoch_split_among_ranks():

@@ -17,9 +17,9 @@ from typing import Iterable
 
 import pandas as pd
 
-from app.catalog import imagefolder, tables
+from app.catalog import imagefolder, shards, tables
 from app.catalog.labels import SYNSET_MAPPING, ClassIndex, select_classes
-from app.catalog.storage import DatasetRoot
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError
 
 SPLITS = ("train", "val")
@@ -95,13 +95,15 @@ class Dataset:
                                     imagefolder.TRAIN_FOLDER)
         wnids = select_classes(every.wnids, as_selection(classes, every.wnids, source), source)
         words = dict(zip(every.wnids, every.descriptions))
-        return ClassIndex(every.known, wnids, [words[w] for w in wnids])
+        return ClassIndex(every.known, wnids, [words[w] for w in wnids], every.order)
 
     @functools.cached_property
     def all_classes(self) -> ClassIndex:
         """Read once per object: the synset mapping, or the class folders' listing."""
         if self.root.layout == "imagefolder":
             return imagefolder.class_index_of(self.root)
+        if self.root.layout in SHARD_LAYOUTS:
+            return shards.class_index(self.root)
         return tables.class_index(self.root)
 
 
