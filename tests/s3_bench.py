@@ -9,6 +9,11 @@ catalog with `local` (the sample on disk) and `s3` (the bucket through the proxy
 
     python tests/s3_bench.py --sample default --latency 0.03 --remember -- \\
         -b 64 -j 1 --batches 20 --image-size 64
+
+With `--shards`, the sample is also written as wds and parquet shards (bin/make_shards.py),
+kept on disk and uploaded, and every dataset (files and shards, local and S3) is measured in a
+run of its own, cold (an empty shard cache), with the requests it made counted at the proxy:
+requests per image = requests / images the loader delivered (the catalog's lists included).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import boto3
 import tomli_w
+import json
 
 TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]
@@ -49,6 +55,8 @@ def main() -> int:
     parser.add_argument("--sample", default="default", choices=sorted(sample.PRESETS))
     parser.add_argument("--latency", type=float, default=0.03, help="seconds per request")
     parser.add_argument("--remember", action="store_true")
+    parser.add_argument("--shards", action="store_true", help="also wds and parquet shards")
+    parser.add_argument("--shard-size", default="64MB")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then bench.py loader flags")
     args = parser.parse_args()
     os.environ.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
@@ -63,17 +71,54 @@ def main() -> int:
             print(f"warming the proxy: {read_everything_once(proxy.endpoint)} objects")
         with tempfile.TemporaryDirectory() as folder:
             catalog = Path(folder) / "datasets.toml"
-            catalog.write_text(tomli_w.dumps({"default": "local", "datasets": {
-                "local": {"url": str(root)},
-                "s3": {"url": url, "endpoint_url": proxy.endpoint, "region": "us-east-1"}}}))
+            datasets = {"local": {"url": str(root)},
+                        "s3": {"url": url, "endpoint_url": proxy.endpoint, "region": "us-east-1"}}
+            if args.shards:
+                datasets.update(shard_copies(root, server, proxy, Path(folder), args.shard_size))
+            catalog.write_text(tomli_w.dumps({"default": "local", "datasets": datasets}))
             flags = [flag for flag in args.bench if flag != "--"]
-            return subprocess.call([sys.executable, str(TESTS.parent / "bin" / "bench.py"),
-                                    "loader", "--catalog", str(catalog), "--dataset", "local",
-                                    "--dataset", "s3", *flags])
+            if not args.shards:
+                return subprocess.call(bench_command(catalog, ["local", "s3"], flags))
+            for name in datasets:
+                before = proxy.counts["requests"]
+                report = Path(folder) / f"{name}.json"
+                code = subprocess.call(bench_command(catalog, [name], [*flags, "--no-peer",
+                                                                       "--json", str(report)]))
+                requests = proxy.counts["requests"] - before
+                delivered = sum(r["images"] for r in json.loads(report.read_text())["results"])
+                print(f"{name}: {requests} requests for ~{delivered} images "
+                      f"({requests / max(delivered, 1):.4f} per image; files on S3 also count "
+                      "the reader-alone GETs)")
+                if code:
+                    return code
+            return 0
     finally:
         if proxy:
             proxy.stop()
         server.stop()
+
+
+def bench_command(catalog: Path, datasets: list[str], flags: list[str]) -> list[str]:
+    return [sys.executable, str(TESTS.parent / "bin" / "bench.py"), "loader", "--catalog",
+            str(catalog), *(f for name in datasets for f in ("--dataset", name)), *flags]
+
+
+def shard_copies(root: Path, server, proxy, folder: Path, shard_size: str) -> dict:
+    """The sample as wds and parquet shards, local and in the bucket, each with its own empty
+    shard cache."""
+    from app.catalog.shard_writer import parse_size, write_shards  # noqa: PLC0415
+    from app.catalog.storage import DatasetRoot  # noqa: PLC0415
+    entries = {}
+    for layout in ("wds", "parquet"):
+        out = folder / layout
+        write_shards(DatasetRoot("sample", str(root)), out, layout, parse_size(shard_size), 0)
+        bucket = server.upload(out, BUCKET, f"{PREFIX}-{layout}")
+        entries[f"local_{layout}"] = {"url": str(out), "layout": layout,
+                                      "cache_dir": str(folder / f"cache-local-{layout}")}
+        entries[f"s3_{layout}"] = {"url": bucket, "layout": layout, "region": "us-east-1",
+                                   "endpoint_url": proxy.endpoint,
+                                   "cache_dir": str(folder / f"cache-s3-{layout}")}
+    return entries
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from app.catalog import tables
 from app.data.augment import TrainRecipe
 from app.data.auto_augment import (IMAGENET_POLICY, OP_NAMES, WIDE_SPACE, ImageNetAutoAugment,
                                    RandAugment, TrivialAugmentWide, policy, standard_space)
-from app.data.pillow_ops import apply_ops
+from app.data.image_ops import apply_ops
+from pipelines import wide_ops
 
 SIZE = 64
 PLANS = 14_000
@@ -143,22 +144,9 @@ def photo(tiny_sample) -> Image.Image:
         return image.convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR)
 
 
-def some_ops() -> list:
-    """Every op at a few bins of its widest range (TrivialAugmentWide's), both signs."""
-    ops = [("Invert", 0.0)]
-    for name, magnitudes in WIDE_SPACE:
-        if magnitudes is None:
-            ops.append((name, 0.0))
-            continue
-        for index in (3, 17, 30):
-            value = magnitudes.at(index, 31)
-            ops += [(name, value), (name, -value)] if magnitudes.signed else [(name, value)]
-    return ops
-
-
 def test_pillow_ops_are_torchvisions(photo):
-    assert {name for name, _ in some_ops()} == set(OP_NAMES)
-    for name, magnitude in some_ops():
+    assert {name for name, _ in wide_ops((3, 17, 30))} == set(OP_NAMES)
+    for name, magnitude in wide_ops((3, 17, 30)):
         theirs = tv._apply_op(photo, name, magnitude, InterpolationMode.BILINEAR, None)
         ours = apply_ops(photo, ((name, magnitude),))
         assert np.array_equal(np.asarray(ours), np.asarray(theirs)), (name, magnitude)

@@ -2,6 +2,7 @@
 gpu-check's report (on a machine without a GPU it still writes one, with every gpu test
 skipped)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     report = tmp_path / "model.json"
     result = bench("model", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
                    "cpu", "--steps", "2", "--warmup", "1", "--no-compile", "--sizes", "32,64",
+                   "--batch-sizes", "4,8", "--optimizer-steps", "foreach,fused",
                    "--optimizers", "sgd,lars", "--clip-grad-norm", "1", "--model-ema-steps", "2",
                    "--json", str(report))
     assert result.returncode == 0, result.stderr
@@ -29,9 +31,15 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     rows = data["results"]
     sizes = data["sizes"]["results"]
     assert data["sizes"]["setting"] == "ours without compile"
-    assert [(r["image_size"], r["pixels_vs_largest"]) for r in sizes] == [(32, 4.0), (64, 1.0)]
-    assert sizes[0]["speed_vs_largest"] == sizes[0]["images_per_s"] / sizes[1]["images_per_s"]
-    assert "by image size" in result.stdout
+    assert [(r["batch_size"], r["image_size"], r["optimizer_step"], r["pixels_vs_largest"])
+            for r in sizes] == [(batch, size, step, (64 / size) ** 2) for batch in (4, 8)
+                                for size in (32, 64) for step in ("foreach", "fused")]
+    by_key = {(r["batch_size"], r["image_size"], r["optimizer_step"]): r for r in sizes}
+    for (batch, size, step), r in by_key.items():
+        assert r["speed_vs_largest"] == r["images_per_s"] / by_key[batch, 64, step]["images_per_s"]
+        assert r["speed_vs_first_step"] == \
+            r["images_per_s"] / by_key[batch, size, "foreach"]["images_per_s"]
+    assert "by batch, image size and optimizer step" in result.stdout
     optimizers = data["optimizers"]
     assert [r["label"] for r in optimizers] == [
         "ours without compile + sgd", "ours without compile + lars",
@@ -83,16 +91,38 @@ def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
     report = tmp_path / "e2e.json"
     result = bench("e2e", "--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny",
                    "-a", "test_resnet", "-b", "8", "--image-size", "32", "-j", "1", "--device",
-                   "cpu", "--steps", "3", "--warmup", "1", "--decoder", "pillow", "--json",
-                   str(report))
+                   "cpu", "--steps", "3", "--warmup", "1", "--decoders", "pillow,nvjpeg",
+                   "--json", str(report))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
-    peer, ours = data["results"]
-    assert peer["label"] == "pytorch/examples recipe" and ours["label"] == "ours (pillow)"
+    peer, *ours = data["results"]  # the peer and the model alone once, each decoder after
+    assert peer["label"] == "pytorch/examples recipe"
+    assert [r["label"] for r in ours] == ["ours (pillow)", "ours (nvjpeg)"]
     assert all(r["images_per_s"] > 0 and r["cpu_cores"] > 0 for r in data["results"])
-    assert ours["ratio_to_peer"] == ours["images_per_s"] / peer["images_per_s"]
-    assert ours["share_of_model_only"] == ours["images_per_s"] / \
-        data["model_only"]["images_per_s"]
+    for row in ours:
+        assert row["ratio_to_peer"] == row["images_per_s"] / peer["images_per_s"]
+        assert row["share_of_model_only"] == row["images_per_s"] / \
+            data["model_only"]["images_per_s"]
+
+
+def test_model_only_compiled_by_regions_is_the_trainers_compile():
+    """e2e's model-only row compiles as training does (each block); the eager backend keeps
+    it quick on a CPU."""
+    from app.bench import model
+    from app.training.speed import compiled_graphs
+    before = compiled_graphs()
+    row = model.measure("test_resnet", dataclasses.replace(model.OURS_REGIONS, backend="eager"),
+                        4, 32, "cpu", steps=2, warmup=1)
+    assert row["compile"] and row["regions"] and row["images_per_s"] > 0
+    assert compiled_graphs() - before == 4  # test_resnet's 4 blocks, all unlike
+
+
+def test_e2e_bench_skips_dali_where_it_does_not_import(monkeypatch):
+    from app.bench import e2e
+    monkeypatch.setattr(e2e, "dali_imports", lambda: False)
+    setup = e2e.Setup("datasets.toml", "sample_tiny", "test_resnet", 8, 32, 1, "cpu", 1, 1)
+    assert e2e.ours(setup, "dali") == {"label": "ours (dali)",
+                                       "skipped": "NVIDIA DALI does not import here"}
 
 
 def test_dali_reservations_subtract_torchs_own_allocations():

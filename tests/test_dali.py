@@ -26,7 +26,6 @@ from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
-from app.data.pipeline import InputFormat, PipelineSpec  # noqa: E402
 from app.data.resolution import TrainSizes  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
 from app.launch.run import prepare_job, write_run_folder  # noqa: E402
@@ -35,10 +34,10 @@ from app.runtime.devices import WorkerEnv  # noqa: E402
 from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
+from pipelines import STD, assert_pillows_batches, damage_five, spec_for  # noqa: E402
 from test_reliability import last, stop_with_sigterm_after  # noqa: E402
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # normalised -> pixels
 
 
 class Info:
@@ -46,18 +45,6 @@ class Info:
 
     def __init__(self, iteration, epoch_idx):
         self.iteration, self.epoch_idx = iteration, epoch_idx
-
-
-def spec_for(root, frame, recipe, batches, workers=1):
-    return PipelineSpec(root, frame, recipe, batches, workers, InputFormat(torch.device("cpu")))
-
-
-def batches_of(decoder, spec, epoch, start_step):
-    pipeline = build_pipeline(decoder, spec)
-    try:
-        return list(pipeline.epoch(epoch, start_step))
-    finally:
-        pipeline.close()
 
 
 def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
@@ -92,38 +79,16 @@ def test_the_reader_hands_dali_our_recipes_boxes_flips_and_ops(tiny_sample):
     assert 0 < flips < 48 and counts == {0, 1, 2}
 
 
-def equalized(root, frame, spec, epoch, step) -> torch.Tensor:
-    """Which images of the batch get Equalize (DALI's differs from Pillow's)."""
-    items = spec.batches.items(spec.batches.order(epoch), epoch, step)
-    sizes = [Image.open(f"{root.url}/{frame.path[index]}").size for index, _ in items]
-    return torch.tensor([any(name == "Equalize" for name, _ in spec.recipe.plan(h, w, seed).ops)
-                         for (_, seed), (w, h) in zip(items, sizes)])
-
-
 @pytest.mark.parametrize("split, auto_augment", [
     ("train", "off"), ("val", "off"), ("train", "ta_wide"), ("train", "ra"),
     ("train", "imagenet")])
 def test_dali_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment):
-    """Whole epochs, so the CMYK, grayscale and PNG-named-.JPEG files are among them. With
-    auto-augment, the ops see the decoders' slightly different pixels and some widen the gap
-    (solarize flips a value near its threshold, autocontrast stretches): measured at most 0.47
-    on average over a batch and 4.4 on an image, asserted 1.0 and 6.0. Images that get
-    Equalize are left out: it differs on its own (tests/test_dali_ops.py), by up to 30 on an
-    image here where it follows another op."""
-    root = DatasetRoot("tiny", str(tiny_sample))
-    frame = getattr(load_tables(root), split)
-    recipe = TrainRecipe(32, auto_augment=auto_augment) if split == "train" else EvalRecipe(32)
-    spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 24, seed=1,
-                                                        shuffle=split == "train"))
-    pillow = batches_of("pillow", spec, epoch=2, start_step=1)
-    dali = batches_of("dali", spec, epoch=2, start_step=1)
-    assert len(dali) == len(pillow) == spec.batches.steps_per_epoch() - 1
-    image_mean = 3.0 if auto_augment == "off" else 6.0
-    for step, (a, b) in enumerate(zip(pillow, dali), start=1):
-        assert torch.equal(a.labels, b.labels) and a.images.shape == b.images.shape
-        assert b.images.dtype == torch.float32 and b.images.is_contiguous()
-        pixels = ((a.images - b.images) * STD).abs()[~equalized(root, frame, spec, 2, step)]
-        assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
+    """With auto-augment, the ops see the decoders' slightly different pixels and some widen
+    the gap (solarize flips a value near its threshold, autocontrast stretches): measured at
+    most 0.47 on average over a batch and 4.4 on an image, asserted 1.0 and 6.0. Images that
+    get Equalize are left out: it differs on its own (tests/test_dali_ops.py), by up to 30 on
+    an image here where it follows another op."""
+    assert_pillows_batches("dali", tiny_sample, split, auto_augment)
 
 
 def test_both_decoders_change_size_with_the_epoch_and_dali_needs_no_rebuild(tiny_sample):
@@ -176,28 +141,11 @@ def test_quirky_and_bad_files_are_prepared_or_refused(tiny_sample):
     assert Image.open(io.BytesIO(placeholder())).size == (8, 8)
 
 
-def corrupt_huffman_tables(path):
-    """A JPEG whose header is fine but whose Huffman counts are not: only a decoder sees it
-    (DALI fails the whole batch on it; Pillow calls it a broken data stream)."""
-    data = bytearray(path.read_bytes())
-    table = data.find(b"\xff\xc4")
-    data[table + 5:table + 21] = b"\xff" * 16
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("auto_augment", ["off", "ta_wide"])
 def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tiny_copy, caplog,
                                                                             auto_augment):
-    root = DatasetRoot("t", str(tiny_copy))
-    frame = load_tables(root).train
-    batches = ShardedBatches(len(frame), 64, seed=0)
-    first = [index for index, _ in next(iter(batches))]
-    (tiny_copy / frame.path[first[0]]).write_bytes(b"")
-    (tiny_copy / frame.path[first[1]]).write_text("<html>403</html>")
-    corrupt_huffman_tables(tiny_copy / frame.path[first[2]])
-    (tiny_copy / frame.path[first[3]]).unlink()
-    later = frame.path[[index for index, _ in list(iter(batches))[2]][5]]  # in step 2
-    (tiny_copy / later).write_bytes((tiny_copy / later).read_bytes()[:300])  # truncated
+    # truncated inside its header
+    root, frame, batches, damaged = damage_five(tiny_copy, slice(None, 300))
     recipe = TrainRecipe(24, auto_augment=auto_augment)
     pipeline = build_pipeline("dali", spec_for(root, frame, recipe, batches))
     try:
@@ -209,15 +157,15 @@ def test_bad_images_are_skipped_and_a_batch_dali_fails_is_redone_with_pillow(tin
     # the Huffman file: DALI failed its batch, Pillow redid it and found the file
     assert "DALI failed step 0 of epoch 1 (Failed to decode sample" in caplog.text
     reasons = {s.path: s.reason for b in out for s in b.skipped}
-    assert set(reasons) == {*frame.path[first[:4]], later}
-    assert reasons[frame.path[first[0]]] == "empty file"
-    assert reasons[frame.path[first[3]]] == "missing"
-    assert reasons[later].startswith("not decodable")  # truncated inside its header
+    assert set(reasons) == set(damaged.values())
+    assert reasons[damaged["empty"]] == "empty file"
+    assert reasons[damaged["missing"]] == "missing"
+    assert reasons[damaged["truncated"]].startswith("not decodable")
     assert sum(len(b) for b in out) == len(frame) - 5 and len(out) == 5
     assert sum(again) == len(frame) - 5
 
 
-def test_auto_picks_dali_for_a_gpu_only():
+def test_auto_picks_dali_on_a_gpu_where_it_imports():
     assert resolve_decoder("auto", torch.device("cpu")) == "pillow"
     assert resolve_decoder("auto", torch.device("cuda:0")) == "dali"  # DALI imports here
     assert resolve_decoder("pillow", torch.device("cuda:0")) == "pillow"

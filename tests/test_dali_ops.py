@@ -22,11 +22,11 @@ pytest.importorskip("nvidia.dali")  # noqa: E402
 
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
-from app.catalog import tables  # noqa: E402
-from app.data.auto_augment import OP_NAMES, WIDE_SPACE  # noqa: E402
+from app.data.auto_augment import OP_NAMES  # noqa: E402
 from app.data.dali_ops import augment  # noqa: E402
 from app.data.dali_source import op_columns  # noqa: E402
-from app.data.pillow_ops import apply_ops  # noqa: E402
+from app.data.image_ops import apply_ops  # noqa: E402
+from pipelines import sample_photos, wide_ops  # noqa: E402
 
 SIZE = 64
 EXACT = {"Identity", "TranslateX", "TranslateY", "Brightness", "Color", "Contrast", "Sharpness",
@@ -36,24 +36,7 @@ GEOMETRIC = {"ShearX", "ShearY", "Rotate"}
 
 @pytest.fixture(scope="module")
 def photos(tiny_sample) -> list[Image.Image]:
-    paths = sorted((tiny_sample / tables.TRAIN_DIR).rglob("*.JPEG"))[3:40:9]
-    images = []
-    for path in paths:
-        with Image.open(path) as image:
-            images.append(image.convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR))
-    return images
-
-
-def wide_ops() -> list[tuple]:
-    ops = [("Invert", 0.0)]
-    for name, magnitudes in WIDE_SPACE:
-        if magnitudes is None:
-            ops.append((name, 0.0))
-            continue
-        for index in (4, 15, 30):
-            value = magnitudes.at(index, 31)
-            ops += [(name, value), (name, -value)] if magnitudes.signed else [(name, value)]
-    return ops
+    return sample_photos(tiny_sample, SIZE)
 
 
 def run_dali(images: list[np.ndarray], plans: list[tuple], slots: int, device: str) -> list:

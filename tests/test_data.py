@@ -13,7 +13,7 @@ from app.catalog import sample, tables
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import train_cls_list
 from app.data.augment import EvalRecipe, Plan, TrainRecipe, center_crop_box, random_resized_crop_box
-from app.data.dali_memory import decoder_memory
+from app.data.dali_memory import IMAGENET_LARGEST, decoder_memory, largest_image
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.decoders import build_pipeline
 from app.data.device import ToDevice
@@ -330,6 +330,24 @@ def test_dali_decoder_memory_is_per_thread_and_sized_for_each_split():
     assert decoder_memory("train", batch_size=32, threads=0).threads == 1  # -j 0
     with pytest.raises(KeyError):
         decoder_memory("test", 32, 4)
+
+
+def test_dalis_preallocation_hint_is_the_largest_of_a_sample_of_headers(tiny_copy):
+    root = DatasetRoot("t", str(tiny_copy))
+    paths = list(train_cls_list(root).path)
+    sizes = {path: Image.open(tiny_copy / path).size for path in paths}
+    everything = largest_image(root, paths, sample=len(paths))
+    assert everything == (max(w for w, _ in sizes.values()), max(h for _, h in sizes.values()))
+    chosen = random.Random(0).sample(paths, 20)  # the seeded sample: every worker's the same
+    assert largest_image(root, paths, sample=20) == (max(sizes[p][0] for p in chosen),
+                                                     max(sizes[p][1] for p in chosen))
+    for path in chosen[:10]:  # unreadable files are passed over
+        (tiny_copy / path).write_bytes(b"")
+    assert largest_image(root, paths, sample=20) == (max(sizes[p][0] for p in chosen[10:]),
+                                                     max(sizes[p][1] for p in chosen[10:]))
+    for path in chosen[10:]:
+        (tiny_copy / path).unlink()
+    assert largest_image(root, paths, sample=20) == IMAGENET_LARGEST  # nothing to go by
 
 
 @pytest.mark.parametrize("decoder", ["pillow", "dali"])

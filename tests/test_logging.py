@@ -163,15 +163,19 @@ def test_console_prints_progress_with_eta_and_an_epoch_summary():
     stream = io.StringIO()
     console = ConsoleLogger(epochs=3, stream=stream)
     console.log_metrics(8, {"epoch": 2, "train/loss": 1.23456, "train/lr": 0.05,
-                            "train/images_per_sec": 512.4, "progress/epoch_step": 8,
-                            "progress/epoch_steps": 40, "progress/epoch_time_s": 20.0})
+                            "train/images_per_sec": 512.4, "train/data_wait": 0.123,
+                            "progress/epoch_step": 8, "progress/epoch_steps": 40,
+                            "progress/epoch_time_s": 20.0})
     console.log_metrics(40, {"epoch": 2, "train/epoch_loss": 1.1, "val/top1": 0.5,
                              "val/top5": 0.9, "val/loss": 1.4, "epoch/time_s": 101.0,
-                             "train/skipped": 2, "val/skipped": 1})
+                             "run/remaining_s": 3725.0, "train/skipped": 2, "val/skipped": 1})
+    console.log_metrics(60, {"epoch": 3, "val/top1": 0.6, "val/top5": 0.9, "val/loss": 1.3,
+                             "epoch/time_s": 99.0, "run/remaining_s": 0.0})
     assert stream.getvalue().splitlines() == [
-        "epoch 2/3 [8/40]  loss 1.2346  lr 0.05  512 img/s  eta 01:20",
+        "epoch 2/3 [8/40]  loss 1.2346  lr 0.05  512 img/s  data 12%  eta 01:20",
         "epoch 2/3  train loss 1.1000  val top-1 0.5000  top-5 0.9000  loss 1.4000  "
-        "time 101.0s  skipped 3 images"]
+        "time 101.0s  left 1:02:05  skipped 3 images",
+        "epoch 3/3  val top-1 0.6000  top-5 0.9000  loss 1.3000  time 99.0s  skipped 0 images"]
 
 
 def test_the_epoch_summary_shows_the_emas_accuracy_beside_the_weights():

@@ -47,10 +47,11 @@ def one_worker_reference(tmp_path_factory):
     return weights(cwd / "runs" / "one")
 
 
-@pytest.mark.parametrize("sync", ["ps", "allreduce"])
+@pytest.mark.parametrize("mode", [("--sync", "ps"), ("--sync", "allreduce"),
+                                  ("--replicas-as", "threads")])  # the server a thread too
 def test_two_workers_match_one_worker_with_twice_the_batch(one_worker_reference, tmp_path,
-                                                           sync):
-    result = run_driver(*CATALOG, *EXACT, "-b", "5", "--devices", "cpu,cpu", "--sync", sync,
+                                                           mode):
+    result = run_driver(*CATALOG, *EXACT, "-b", "5", "--devices", "cpu,cpu", *mode,
                         "--run-name", "two", cwd=tmp_path)
     # --check-every 1: the replicas' checksums were compared after every step and at the end;
     # any difference would have stopped the run.

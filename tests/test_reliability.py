@@ -40,7 +40,11 @@ SPLITS = {"1 worker": ("-b", "8"),
                                   "--cutmix-alpha", "1.0", "--random-erase", "0.25",
                                   "--label-smoothing", "0.1", "--warmup-epochs", "0",
                                   "--model-ema", "--model-ema-steps", "3",
-                                  "--model-ema-decay", "0.975")}
+                                  "--model-ema-decay", "0.975"),
+          # decoded and augmented in the training process (nvJPEG's path; libjpeg-turbo on a
+          # CPU), the bytes read by a loader process
+          "1 worker nvjpeg": ("-b", "8", "-j", "1", "--decoder", "nvjpeg", "--auto-augment",
+                              "ta_wide")}
 # One machine, two ranks, restarted once: what a user types, with a free port for the store.
 TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d")
@@ -72,8 +76,8 @@ def straight(tmp_path_factory):
     return end_of
 
 
-def assert_bit_identical(a: dict, b: dict) -> None:
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 40)
+def assert_bit_identical(a: dict, b: dict, end: tuple[int, int] = (2, 40)) -> None:
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == end
     for key in a["model"]:  # weights and BatchNorm statistics
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key, state in a["optimizer"]["state"].items():
@@ -110,7 +114,8 @@ def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("split", ["1 worker", "2 workers ps",
-                                   "2 workers allreduce accumulating", "2 workers ps recipe"])
+                                   "2 workers allreduce accumulating", "2 workers ps recipe",
+                                   "1 worker nvjpeg"])
 def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, split):
     flags = (*CATALOG, *EXACT, *SPLITS[split], "--run-name", "cut")
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
@@ -274,7 +279,7 @@ def damage(folder, relative, how):
     return relative
 
 
-@pytest.mark.parametrize("decoder", ["pillow", "dali"])
+@pytest.mark.parametrize("decoder", ["pillow", "dali", "nvjpeg"])
 def test_bad_images_are_skipped_listed_and_bounded(tmp_path, tiny_copy, catalog_for, decoder):
     train = sorted((tiny_copy / "ILSVRC/Data/CLS-LOC/train").rglob("*.JPEG"))
     val = sorted((tiny_copy / "ILSVRC/Data/CLS-LOC/val").glob("*.JPEG"))

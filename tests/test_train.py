@@ -1,6 +1,7 @@
 """End to end: the driver trains the tiny sample, saves checkpoints, resumes exactly."""
 
 import copy
+import re
 import tomllib
 
 import pytest
@@ -55,6 +56,23 @@ def test_metrics_are_logged_each_print_interval_with_growing_steps(trained_run):
     assert len(train_rows) == 4 * 3  # 10 steps per epoch, -p 4: steps 4, 8 and the last
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and steps[-1] == 40
+
+
+def test_progress_shows_the_wait_for_batches_and_each_epoch_the_time_left(trained_run):
+    _, run_dir, result = trained_run
+    rows = records(run_dir)
+    waits = [r["train/data_wait"] for r in rows if "train/loss" in r]
+    assert len(waits) == 12 and all(0 <= wait <= 1 for wait in waits)
+    epochs = [r for r in rows if "val/top1" in r]
+    times = [r["epoch/time_s"] for r in epochs]
+    for done, record in enumerate(epochs, start=1):  # 4 epochs: 3, 2, 1, 0 left
+        assert 0 <= record["epoch/data_wait"] <= 1
+        assert record["run/remaining_s"] == pytest.approx((4 - done) * sum(times[:done]) / done)
+    progress = [line for line in result.stdout.splitlines() if "img/s" in line]
+    assert len(progress) == 12 and all(re.search(r"  data \d+%  eta ", line) for line in progress)
+    summaries = [line for line in result.stdout.splitlines() if "val top-1" in line]
+    assert [bool(re.search(r"  left \d\d:\d\d  ", line)) for line in summaries] == \
+        [True, True, True, False]  # nothing left after the last
 
 
 def test_run_folder_holds_resolved_config_and_checkpoints(trained_run):

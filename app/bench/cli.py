@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from app.config import AugmentConfig, OptimConfig
@@ -17,11 +18,13 @@ EXAMPLES = """examples:
   python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
       --cutmix-alpha 1.0                                         # + batch augmentations
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
+  python bin/bench.py threads -a resnet18 -b 32 --devices cpu,cpu  # replicas as threads or not
   python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
+  python3 bin/bench.py gpu-day --budget 540 --out gpu-day        # every GPU figure, one call
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
 """
 
@@ -44,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--image-size", type=int, default=224)
     e2e.add_argument("-j", "--workers", type=int, default=8, help="loader processes, both sides")
     e2e.add_argument("--device", default="cuda")
-    e2e.add_argument("--decoder", default="auto", choices=("auto", "dali", "pillow"))
+    e2e.add_argument("--decoders", "--decoder", default="auto", help="comma-separated "
+                     "input pipelines to measure one after the other (auto, dali, nvjpeg, "
+                     "pillow), e.g. nvjpeg,pillow,dali; dali is skipped where it does not "
+                     "import")
     e2e.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     e2e.add_argument("--steps", type=int, default=50)
     e2e.add_argument("--warmup", type=int, default=10)
@@ -67,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--sizes", default="", help="also measure our first setting at these "
                        "comma-separated image sizes (e.g. 160,192,224: what progressive "
                        "resizing buys), each against the largest")
+    model.add_argument("--batch-sizes", default="", help="... and at these comma-separated "
+                       "batch sizes (e.g. 256,512; default: -b)")
+    model.add_argument("--optimizer-steps", default="", help="... and with these "
+                       "comma-separated implementations of the SGD step: default, foreach, "
+                       "fused (e.g. foreach,fused), each against the first")
     for flag, what in (("--random-erase", "random erasing probability"),
                        ("--mixup-alpha", "mixup alpha"), ("--cutmix-alpha", "cutmix alpha")):
         model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
@@ -79,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--steps", type=int, default=10)
     sync.add_argument("--warmup", type=int, default=3)
     sync.add_argument("--bucket-mb", type=float, default=25.0)
+    sync.add_argument("--modes", default="local,ps,allreduce", help="which to measure: local "
+                      "(1 worker, no sync), ps, allreduce")
+    threads = commands.add_parser("threads", help="training images/s with the replicas as "
+                                  "threads vs as processes (app.train), same run otherwise")
+    threads.add_argument("-a", "--arch", default="resnet18")
+    threads.add_argument("-b", "--batch-size", type=int, default=32, help="per replica")
+    threads.add_argument("--image-size", type=int, default=64)
+    threads.add_argument("--devices", default="cpu,cpu", help="replica devices: cpu,cpu; "
+                         "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1; all (one per GPU)")
+    threads.add_argument("--dataset", default="sample")
+    threads.add_argument("--catalog", default="datasets.toml")
+    threads.add_argument("-j", "--workers", type=int, default=1, help="loader processes per "
+                         "replica")
+    threads.add_argument("--steps", type=int, default=40, help="about this many steps are "
+                         "measured (one epoch of the dataset)")
     compiling = commands.add_parser("compile", help="first step (compilation included) and "
                                     "step time: eager, compiled whole, compiled by regions")
     compiling.add_argument("-a", "--arch", default="resnet50")
@@ -139,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
                        help="the generated sample they read (bench: ImageNet-sized images; "
                        "the first batch's memory depends on it, the build's does not)")
+    day = commands.add_parser("gpu-day", help="every GPU figure in one call: parts in their "
+                              "order of value (probe, --gpus-style runs, end to end per "
+                              "decoder, sync overlap, optimizer step, gpu tests), each with its "
+                              "own deadline, each report written the moment it ends")
+    day.add_argument("--budget", type=float, default=540.0, help="seconds for all the parts "
+                     "(default 540: a 10-minute device call, with room to start)")
+    day.add_argument("--out", default="gpu-day", help="the reports: <part>.json, <part>.log, "
+                     "summary.md (small files only)")
+    day.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "imagenet-dp-gpu-day"),
+                     help="compile caches, the generated sample and run folders (kept out of "
+                     "--out)")
+    day.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
+                     "gpu-day --list names them)")
+    day.add_argument("--list", action="store_true", help="name the parts and their deadlines, "
+                     "run nothing")
     teardown = commands.add_parser("teardown", help="a failed run: SIGKILL one worker of a "
                                    "driver run, time to the error line and to the exit")
     teardown.add_argument("--repeats", type=int, default=3)
@@ -146,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "'started' line names it")
     teardown.add_argument("flags", nargs="*", default=list(TEARDOWN_RUN), help="the driver's "
                           "flags after --, default: " + " ".join(TEARDOWN_RUN))
-    for sub in (e2e, model, sync, compiling, loader, guess, teardown):
+    for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -160,6 +201,30 @@ def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
                          for o in optimizers if clip]
 
 
+def decoder_names(text: str) -> tuple[str, ...]:
+    from app.data.decoders import DECODERS  # noqa: PLC0415
+    names = tuple(name for name in text.split(",") if name)
+    unknown = set(names) - {"auto", *DECODERS}
+    if unknown or not names:
+        build_parser().error(f"--decoders: unknown {', '.join(sorted(unknown)) or 'nothing'}; "
+                             f"known: auto, {', '.join(DECODERS)}")
+    return names
+
+
+def numbers(text: str) -> list[int]:
+    return [int(value) for value in text.split(",") if value]
+
+
+def optimizer_steps(text: str) -> list[str]:
+    from app.bench.model import OPTIMIZER_STEPS  # noqa: PLC0415 (imports torch)
+    kinds = [kind for kind in text.split(",") if kind]
+    unknown = set(kinds) - set(OPTIMIZER_STEPS)
+    if unknown:
+        build_parser().error(f"--optimizer-steps: unknown {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(OPTIMIZER_STEPS)}")
+    return kinds
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     code = 0
@@ -168,7 +233,8 @@ def main(argv: list[str]) -> int:
         from app.bench import e2e as bench  # noqa: PLC0415
         report = bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
                                        args.image_size, args.workers, args.device, args.steps,
-                                       args.warmup, args.decoder, args.compile))
+                                       args.warmup, decoder_names(args.decoders),
+                                       args.compile))
     elif args.command == "model":
         from app.bench import model as bench  # noqa: PLC0415
         settings = [bench.OURS_EAGER, bench.PEER] if args.no_compile else \
@@ -178,14 +244,21 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
                            args.steps, args.warmup, settings,
                            augment if augment != AugmentConfig() else None,
-                           [int(size) for size in args.sizes.split(",") if size],
+                           numbers(args.sizes),
                            recipe_optimizers(args.optimizers, args.clip_grad_norm),
-                           args.model_ema_steps)
+                           args.model_ema_steps, numbers(args.batch_sizes),
+                           optimizer_steps(args.optimizer_steps))
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
+        if not set(args.modes.split(",")) <= set(bench.MODES):
+            build_parser().error(f"--modes: known: {', '.join(bench.MODES)}")
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
                            args.steps, args.warmup, args.bucket_mb, args.compile,
-                           args.compile_backend)
+                           args.compile_backend, tuple(args.modes.split(",")))
+    elif args.command == "threads":
+        from app.bench import threads as bench  # noqa: PLC0415
+        report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
+                           args.dataset, args.catalog, args.workers, args.steps)
     elif args.command == "compile":
         from app.bench import compile as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
@@ -211,6 +284,15 @@ def main(argv: list[str]) -> int:
     elif args.command == "teardown":
         from app.bench import teardown as bench  # noqa: PLC0415
         report = bench.run(args.flags, args.victim, args.repeats)
+    elif args.command == "gpu-day":
+        from app.bench import gpu_day_parts as bench  # noqa: PLC0415
+        if args.list:
+            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}" for p in bench.PARTS))
+            return 0
+        try:
+            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts)
+        except ValueError as error:
+            build_parser().error(f"--parts: {error}")
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         report, code = bench.run(Path(args.json), args.quick, not args.no_probe,
@@ -218,6 +300,6 @@ def main(argv: list[str]) -> int:
                                  bench.DaliSetup(args.dali_threads, args.dali_batch,
                                                  args.dali_sample))
     print(bench.format_report(report))
-    if args.json:
+    if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(report, indent=2))
     return code

@@ -87,7 +87,7 @@ def measure_pipeline(pipeline, device: torch.device) -> dict:
     del first
     return {"build": difference(before, built), "first_batch": difference(built,
                                                                           snapshot(device)),
-            "first_batch_images": images}
+            "first_batch_images": images, "preallocation_hint": pipeline.largest}
 
 
 def measure(threads: int, batch_size: int, device: torch.device, preset: str = "tiny") -> dict:
@@ -150,7 +150,8 @@ def format_lines(report: dict) -> list[str]:
         if got:
             line += (f"; measured at build: GPU {mib(got['build'].get('gpu_bytes'))}, host RSS "
                      f"{mib(got['build'].get('host_rss_bytes'))}; first batch: GPU "
-                     f"{mib(got['first_batch'].get('gpu_bytes'))}")
+                     f"{mib(got['first_batch'].get('gpu_bytes'))}; preallocated for "
+                     f"{got.get('preallocation_hint')}")
         lines.append(line)
     if report["why_not"]:
         lines.append(f"  not measured: {report['why_not']}")

@@ -1,7 +1,8 @@
 """End to end: training from JPEG files, our trainer beside the peer's recipe
 (pytorch/examples, app/bench/peer.py) in the same run, and as a share of our model-only speed
 with the same settings (app/bench/model.py): the gap between the two is what the input
-pipeline still costs."""
+pipeline still costs. Several decoders are measured one after the other in one run, beside
+one measurement of the peer and of the model alone; DALI where it imports."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from app.bench.peer import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
+from app.data.decoders import dali_imports
 from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.models.factory import create_model
@@ -37,7 +39,7 @@ class Setup:
     device: str
     steps: int
     warmup: int
-    decoder: str = "auto"
+    decoders: tuple[str, ...] = ("auto",)
     compile: str = "auto"
 
 
@@ -61,12 +63,14 @@ def timed(step: Callable[[], int], setup: Setup, label: str) -> dict:
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None}
 
 
-def ours(setup: Setup) -> dict:
+def ours(setup: Setup, decoder: str) -> dict:
+    if decoder == "dali" and not dali_imports():
+        return {"label": "ours (dali)", "skipped": "NVIDIA DALI does not import here"}
     with tempfile.TemporaryDirectory() as folder:
         config, _ = parse_config([
             "--catalog", setup.catalog, "--dataset", setup.dataset, "-a", setup.arch,
             "-b", str(setup.batch_size), "--image-size", str(setup.image_size),
-            "-j", str(setup.workers), "--device", setup.device, "--decoder", setup.decoder,
+            "-j", str(setup.workers), "--device", setup.device, "--decoder", decoder,
             "--compile", setup.compile, "--output-dir", folder, "--run-name", "bench"])
         job = prepare_job(config)
         write_run_folder(job)
@@ -78,12 +82,16 @@ def ours(setup: Setup) -> dict:
             trainer.train_step(batch)
             return len(batch)
         try:
-            decoder = type(trainer.train_data).__name__.removesuffix("Pipeline").lower()
+            name = type(trainer.train_data).__name__.removesuffix("Pipeline").lower()
             compiled = " compiled" if compile_enabled(setup.compile, torch.device(setup.device)) \
                 else ""
-            return timed(step, setup, f"ours ({decoder}{compiled})")
+            return timed(step, setup, f"ours ({name}{compiled})")
         finally:
             trainer.close()
+            del trainer, batches  # the next decoder's run starts with this one's memory free
+            torch._dynamo.reset()  # and compiles its own modules (from the caches on disk)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def forever(pipeline) -> Iterator:
@@ -120,12 +128,15 @@ def peer(setup: Setup) -> dict:
 
 
 def run(setup: Setup) -> dict:
-    results = [peer(setup), ours(setup)]
+    results = [peer(setup), *(ours(setup, decoder) for decoder in setup.decoders)]
     compiled = compile_enabled(setup.compile, torch.device(setup.device))
-    model_only = model_bench.measure(setup.arch, model_bench.OURS if compiled else
+    # compiled by regions, as the trainer compiles: the same graphs, the same settings
+    model_only = model_bench.measure(setup.arch, model_bench.OURS_REGIONS if compiled else
                                      model_bench.OURS_EAGER, setup.batch_size,
                                      setup.image_size, setup.device, setup.steps, setup.warmup)
     for result in results:
+        if "skipped" in result:
+            continue
         result["ratio_to_peer"] = result["images_per_s"] / results[0]["images_per_s"]
         result["share_of_model_only"] = result["images_per_s"] / model_only["images_per_s"]
     return {"what": "end to end", "setup": asdict(setup), "results": results,
@@ -140,6 +151,9 @@ def format_report(report: dict) -> str:
              f"{'run':<34}{'images/s':>10}{'vs peer':>9}{'of model':>10}{'cores':>7}"
              f"{'peak GB':>9}"]
     for r in report["results"]:
+        if "skipped" in r:
+            lines.append(f"{r['label']:<34}skipped: {r['skipped']}")
+            continue
         peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
         lines.append(f"{r['label']:<34}{r['images_per_s']:>10.1f}{r['ratio_to_peer']:>9.2f}"
                      f"{r['share_of_model_only']:>9.0%}{r['cpu_cores']:>7.1f}{peak:>9}")

@@ -24,13 +24,14 @@ import torch
 from app.bench.peer import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
-from app.catalog.storage import DatasetRoot
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.catalog.tables import load_tables
 from app.data.augment import TrainRecipe
 from app.data.decoders import build_pipeline
 from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
+from app.data.windows import DEFAULT_WINDOW, batches_for
 
 DEFAULT_READERS = ("s3fs", "obstore")  # the baseline first
 
@@ -46,12 +47,13 @@ def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, b
             decoder: str, device: torch.device, auto_augment: str = "off") -> dict:
     frame = load_tables(root).train
     recipe = TrainRecipe(image_size, auto_augment=auto_augment)
+    started = time.perf_counter()
     pipeline = build_pipeline(decoder, PipelineSpec(
-        root, frame, recipe, ShardedBatches(len(frame), batch_size, seed=0), workers,
-        InputFormat(device)))
+        root, frame, recipe, batches_for(frame, batch_size, root.options.get(
+            "window", DEFAULT_WINDOW), seed=0), workers, InputFormat(device)))
     try:
         sizes = ((len(b), len(b.skipped)) for b in batches_forever(pipeline))
-        result = timed(sizes, batches, device)
+        result = timed(sizes, batches, device, started)
     finally:
         pipeline.close()  # stop the loader processes before the next dataset starts its own
     return {"dataset": root.name, "reader": root.reader, "decoder": decoder,
@@ -68,10 +70,14 @@ def measure_peer(root: DatasetRoot, image_size: int, batch_size: int, workers: i
             **timed(sizes, batches, device)}
 
 
-def timed(sizes: Iterator[tuple[int, int]], batches: int, device: torch.device) -> dict:
+def timed(sizes: Iterator[tuple[int, int]], batches: int, device: torch.device,
+          started: float | None = None) -> dict:
     """Images/s and CPU of `batches` batches, after one for start-up (processes, connections
-    and DALI's pipeline are not throughput); `sizes` yields (images, skipped) per batch."""
+    and DALI's pipeline are not throughput); `sizes` yields (images, skipped) per batch.
+    `started`: when the pipeline was asked for, for the first batch's latency."""
+    started = time.perf_counter() if started is None else started
     next(sizes)
+    first_batch_s = time.perf_counter() - started
     read = 0
     cpu, started = cpu_seconds(), time.perf_counter()
     for images, skipped in itertools.islice(sizes, batches):
@@ -80,13 +86,17 @@ def timed(sizes: Iterator[tuple[int, int]], batches: int, device: torch.device) 
         torch.cuda.synchronize(device)
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     return {"images": read, "seconds": elapsed, "images_per_s": read / elapsed,
+            "first_batch_s": first_batch_s,
             "cpu_cores": cpu / elapsed, "cpu_ms_per_image": 1000 * cpu / read}
 
 
 def reader_cost(root: DatasetRoot, frame, batch_size: int, batches: int) -> dict:
     """GETs/s and client CPU per GET of the reader alone, in this process: `batches` batches,
     each announcing the next as the pipeline does; without the local cache, so every image is
-    a request, and in another epoch's order, so none was read before."""
+    a request, and in another epoch's order, so none was read before. Shards make no request
+    per image: their requests are counted at the server instead (tests/s3_bench.py)."""
+    if root.layout in SHARD_LAYOUTS:
+        return {"gets": 0, "gets_per_s": float("nan"), "cpu_ms_per_get": float("nan")}
     uncached = dataclasses.replace(root, options={k: v for k, v in root.options.items()
                                                   if k not in ("cache_dir", "cache_max_gb")})
     reader = BlobReader(uncached)
@@ -156,7 +166,7 @@ def format_report(report: dict) -> str:
              "per GET, no cache",
              f"{'dataset':<16}{'reader':<9}{'decoder':<18}{'augment':<9}{'images/s':>10}"
              f"{'vs first':>9}{'vs plain':>9}{'cores':>6}{'CPU ms/img':>11}{'GETs/s':>9}"
-             f"{'CPU ms/GET':>11}{'vs base':>8}"]
+             f"{'CPU ms/GET':>11}{'vs base':>8}{'1st s':>8}"]
     peer = report["peer"]
     if peer:
         lines.append(f"{peer['dataset']:<16}{'-':<9}{peer['decoder']:<18}{'off':<9}"
@@ -168,7 +178,7 @@ def format_report(report: dict) -> str:
                      f"{r['ratio_to_first']:>9.2f}{r['ratio_to_plain']:>9.2f}"
                      f"{r['cpu_cores']:>6.1f}{r['cpu_ms_per_image']:>11.2f}"
                      f"{r['gets_per_s']:>9.1f}{r['cpu_ms_per_get']:>11.2f}"
-                     f"{r['cpu_per_get_vs_baseline']:>8.2f}")
+                     f"{r['cpu_per_get_vs_baseline']:>8.2f}{r['first_batch_s']:>8.2f}")
     if peer:
         lines.append("vs the pytorch/examples loader: " + ", ".join(
             f"{r['dataset']}/{r['reader']}/{r['decoder']}/{r['auto_augment']} "

@@ -5,7 +5,9 @@ fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Given batch au
 (random erasing, mixup/cutmix), our settings are measured again with them before the forward,
 and the augmentations alone are timed: their cost per step beside a plain step. A recipe's
 optimizer (LARS, LAMB), clipping and the EMA update are measured the same way, each beside the
-plain step of the same run."""
+plain step of the same run. The grid of train sizes x batch sizes x optimizer-step
+implementations (torch's foreach kernels or one fused kernel) says what progressive resizing,
+a larger batch and the fused step buy."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from app.models.factory import create_model
 from app.training.ema import ModelEma
 from app.training.optim import build_optimizer, clip_gradients
 from app.training.precision import Precision
-from app.training.speed import configure_backends
+from app.training.speed import CompiledForFullBatches, configure_backends
 
 
 @dataclass(frozen=True)
@@ -29,20 +31,30 @@ class ModelSetting:
     label: str
     amp: str  # auto | bf16 | fp16 | off
     channels_last: bool
-    compile: bool
+    compile: bool  # the whole model, or with `regions` each block of its stages
+    regions: bool = False
+    backend: str = "inductor"  # torch.compile's
 
 
 OURS = ModelSetting("ours: bf16, channels_last, compiled", "auto", True, True)
 OURS_EAGER = ModelSetting("ours without compile", "auto", True, False)
+# compiled as training compiles: each block of the stages (app/training/speed.py)
+OURS_REGIONS = ModelSetting("ours: bf16, channels_last, compiled by regions", "auto", True,
+                            True, regions=True)
 PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
+# the plain SGD step's implementation: torch's default (foreach on CUDA, a loop on a CPU),
+# foreach kernels (a few launches per parameter group) or one fused kernel
+OPTIMIZER_STEPS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, device: str,
             steps: int, warmup: int, augment: BatchAugment | None = None,
-            optim: OptimConfig | None = None, ema_every: int = 0) -> dict:
+            optim: OptimConfig | None = None, ema_every: int = 0,
+            optimizer_step: str = "default") -> dict:
     """Images/s over `steps` timed steps after `warmup` (the first includes compilation);
     with `augment`, each step augments the batch first, as the Trainer does; with
-    `ema_every`, every that many steps update a moving average of the weights after the step."""
+    `ema_every`, every that many steps update a moving average of the weights after the step;
+    `optimizer_step`: the plain SGD step's implementation (OPTIMIZER_STEPS)."""
     precision = Precision.from_config(setting.amp, setting.channels_last, device)
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
@@ -51,10 +63,14 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     # (app/training/speed.py), not the dynamic-shape graph a second size would otherwise turn
     # the cached one into
     torch._dynamo.reset()
-    forward = torch.compile(model, dynamic=False) if setting.compile else model
+    forward = model
+    if setting.compile:
+        forward = CompiledForFullBatches(model, batch_size, setting.backend) if \
+            setting.regions else torch.compile(model, dynamic=False, backend=setting.backend)
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                        **OPTIMIZER_STEPS[optimizer_step])
     memory_format = torch.channels_last if precision.channels_last else torch.contiguous_format
     images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
                          ).contiguous(memory_format=memory_format)
@@ -100,7 +116,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
                                    else "") if optim else "") + (
         f" + EMA every {ema_every}" if ema_every else "")
     return {**asdict(setting), "label": label, "arch": arch, "batch_size": batch_size,
-            "image_size": image_size, "device": str(precision.device),
+            "image_size": image_size, "optimizer_step": optimizer_step,
+            "device": str(precision.device),
             "images_per_s": batch_size * steps / seconds, "step_ms": 1000 * seconds / steps,
             "first_step_s": first_step_s,
             "peak_memory_gb": torch.cuda.max_memory_allocated(precision.device) / 2**30
@@ -123,25 +140,36 @@ def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, de
     return 1000 * (time.perf_counter() - started) / steps
 
 
-def by_size(arch: str, setting: ModelSetting, batch_size: int, sizes: list[int], device: str,
-            steps: int, warmup: int) -> list[dict]:
-    """One setting at several image sizes, each against the largest: images/s and the
-    pixel count's ratio beside it (the speed-up progressive resizing can buy)."""
-    results = [measure(arch, setting, batch_size, size, device, steps, warmup)
-               for size in sizes]
-    largest = max(results, key=lambda r: r["image_size"])
-    return [{"image_size": r["image_size"], "images_per_s": r["images_per_s"],
+def by_size(arch: str, setting: ModelSetting, batch_sizes: list[int], sizes: list[int],
+            step_kinds: list[str], device: str, steps: int, warmup: int) -> list[dict]:
+    """One setting at every (batch size, image size, optimizer step): images/s, each against
+    the largest size at the same batch and step (beside the pixel count's ratio: the speed-up
+    progressive resizing can buy) and against the first step implementation at the same
+    shape."""
+    rows = [measure(arch, setting, batch, size, device, steps, warmup, optimizer_step=kind)
+            for batch in batch_sizes for size in sizes for kind in step_kinds]
+    largest = max(sizes)
+
+    def row_of(batch: int, size: int, kind: str) -> dict:
+        return next(r for r in rows if (r["batch_size"], r["image_size"], r["optimizer_step"])
+                    == (batch, size, kind))
+    return [{"batch_size": r["batch_size"], "image_size": r["image_size"],
+             "optimizer_step": r["optimizer_step"], "images_per_s": r["images_per_s"],
              "step_ms": r["step_ms"], "first_step_s": r["first_step_s"],
              "peak_memory_gb": r["peak_memory_gb"],
-             "speed_vs_largest": r["images_per_s"] / largest["images_per_s"],
-             "pixels_vs_largest": (largest["image_size"] / r["image_size"]) ** 2}
-            for r in results]
+             "speed_vs_largest": r["images_per_s"] / row_of(
+                 r["batch_size"], largest, r["optimizer_step"])["images_per_s"],
+             "pixels_vs_largest": (largest / r["image_size"]) ** 2,
+             "speed_vs_first_step": r["images_per_s"] / row_of(
+                 r["batch_size"], r["image_size"], step_kinds[0])["images_per_s"]}
+            for r in rows]
 
 
 def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, warmup: int,
         settings: list[ModelSetting], augment: AugmentConfig | None = None,
         sizes: list[int] | None = None, optimizers: list[OptimConfig] | None = None,
-        ema_every: int = 0) -> dict:
+        ema_every: int = 0, batch_sizes: list[int] | None = None,
+        step_kinds: list[str] | None = None) -> dict:
     results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
                for s in settings]
     report = {"what": "model only", "results": results, "torch": torch.__version__,
@@ -163,10 +191,10 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         row = measure(arch, settings[0], batch_size, image_size, device, steps, warmup,
                       ema_every=ema_every)
         report["ema"] = {**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
-    if sizes:
-        report["sizes"] = {"setting": settings[0].label,
-                           "results": by_size(arch, settings[0], batch_size, sizes, device,
-                                              steps, warmup)}
+    if sizes or batch_sizes or step_kinds:
+        report["sizes"] = {"setting": settings[0].label, "results": by_size(
+            arch, settings[0], batch_sizes or [batch_size], sizes or [image_size],
+            step_kinds or ["default"], device, steps, warmup)}
     baseline = results[-1]["images_per_s"]  # the peer's settings come last
     for result in results:
         result["ratio_to_peer"] = result["images_per_s"] / baseline
@@ -193,9 +221,13 @@ def format_report(report: dict) -> str:
                      f"{row['step_ms']:.1f} ms = {row['step_vs_plain']:.3f}x the first setting's")
     sizes = report.get("sizes")
     if sizes:
-        lines.append(f"by image size ({sizes['setting']}):")
-        lines.append(f"{'size':>6}{'images/s':>10}{'vs largest':>12}{'pixels ratio':>14}")
+        first_step = sizes["results"][0]["optimizer_step"]
+        lines.append(f"by batch, image size and optimizer step ({sizes['setting']}):")
+        lines.append(f"{'batch':>6}{'size':>6}{'step':>9}{'images/s':>10}{'step ms':>9}"
+                     f"{'vs largest':>12}{'pixels ratio':>14}{'vs ' + first_step:>12}")
         for r in sizes["results"]:
-            lines.append(f"{r['image_size']:>6}{r['images_per_s']:>10.1f}"
-                         f"{r['speed_vs_largest']:>12.2f}{r['pixels_vs_largest']:>14.2f}")
+            lines.append(f"{r['batch_size']:>6}{r['image_size']:>6}{r['optimizer_step']:>9}"
+                         f"{r['images_per_s']:>10.1f}{r['step_ms']:>9.1f}"
+                         f"{r['speed_vs_largest']:>12.2f}{r['pixels_vs_largest']:>14.2f}"
+                         f"{r['speed_vs_first_step']:>12.3f}")
     return "\n".join(lines)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.catalog import sample
+from app.catalog.dataset import Dataset
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
-                                 DatasetRoot, scheme_of)
+                                 SHARD_LAYOUTS, DatasetRoot, scheme_of)
 from app.config.tomlfile import read_toml
 from app.runtime.errors import UserError, first_line
 
@@ -26,7 +27,7 @@ ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "url": str, "url_env": str, "sample": str, "seed": int, "image_size": int,
     "region": str, "profile": str, "endpoint_url": str, "anon": bool,
     "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int, "layout": str,
-    "reader": str,
+    "reader": str, "train_shards": str, "val_shards": str, "window": int,
 }
 # What to check when an object store cannot be reached, by store.
 CREDENTIAL_HINTS = {
@@ -103,6 +104,11 @@ class Catalog:
             raise UserError(f"dataset '{name}': root {url} not found; {hint}")
         return root
 
+    def dataset(self, name: str = "") -> Dataset:
+        """An entry as an object whose tables the Python API trains on (app/catalog/dataset.py):
+        opened as `open` opens it."""
+        return Dataset(self.open(name, report=print))
+
     def _url(self, name: str, entry: dict[str, Any]) -> str:
         url = os.environ.get(entry.get("url_env", ""), "") or entry["url"]
         if "://" in url:
@@ -132,6 +138,13 @@ def _check_entry(path: Path, name: str, entry: Any) -> None:
                         f"{', '.join(LAYOUTS)}")
     if "reader" in entry:
         _check_reader(where, entry)
+    if entry.get("window", 1) < 1:
+        raise UserError(f"{where}: window = {entry['window']}: a window holds at least one "
+                        "shard; use 1 or more")
+    shard_keys = [key for key in ("train_shards", "val_shards", "window") if key in entry]
+    if shard_keys and entry.get("layout", "kaggle") not in SHARD_LAYOUTS:
+        raise UserError(f"{where}: `{shard_keys[0]}` is for the shard layouts; set layout = "
+                        f"\"{SHARD_LAYOUTS[0]}\" or \"{SHARD_LAYOUTS[1]}\", or remove it")
 
 
 def _check_reader(where: str, entry: dict[str, Any]) -> None:
@@ -183,5 +196,5 @@ def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reader_options(entry: dict[str, Any]) -> dict[str, Any]:
-    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader")
-            if key in entry}
+    return {key: entry[key] for key in ("cache_dir", "cache_max_gb", "concurrency", "reader",
+                                        "train_shards", "val_shards", "window") if key in entry}

@@ -35,6 +35,12 @@ def load_tables(root: DatasetRoot, classes: Classes = 0) -> Tables:
     return Tables(train, val, index.wnids, index.descriptions, tuple(notes))
 
 
+def class_index_of(root: DatasetRoot, classes: int | list[str] = 0) -> ClassIndex:
+    """The class index from the class folders of train/ alone."""
+    images, folders = _images(root, TRAIN_FOLDER, [])
+    return class_index(root, images, folders, classes)
+
+
 def class_index(root: DatasetRoot, train_images: pd.DataFrame, folders: list[str],
                 classes: int | list[str] = 0) -> ClassIndex:
     """Every class folder of train/ must hold images: an empty one would still take a label

@@ -44,6 +44,7 @@ class ClassIndex:
     known: frozenset[str]
     wnids: list[str]
     descriptions: list[str]
+    order: tuple[str, ...] = ()  # every class in the order of the data's own class indices
 
 
 Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index built already

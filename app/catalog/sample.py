@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from app.catalog.imagefolder import TRAIN_FOLDER, VAL_FOLDER
-from app.catalog.storage import LAYOUTS
+from app.catalog.storage import FILE_LAYOUTS, default_cache_dir  # noqa: F401 (the face)
 from app.catalog.tables import (SYNSET_MAPPING, TRAIN_CLS, TRAIN_DIR, TRAIN_SOLUTION, VAL_DIR,
                                 VAL_SOLUTION)
 from app.runtime.errors import UserError
@@ -164,8 +164,9 @@ def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: 
     same images (same bytes, same labels); only their paths and tables differ."""
     if preset not in PRESETS:
         raise UserError(f"unknown sample preset '{preset}'; known: {', '.join(PRESETS)}")
-    if layout not in LAYOUTS:
-        raise UserError(f"unknown layout '{layout}'; known: {', '.join(LAYOUTS)}")
+    if layout not in FILE_LAYOUTS:
+        raise UserError(f"a sample is generated as one of the layouts {', '.join(FILE_LAYOUTS)}"
+                        f", not '{layout}' (bin/make_shards.py writes shards of it)")
     kaggle = layout == "kaggle"
     spec = PRESETS[preset]
     out = Path(out_dir)
@@ -259,10 +260,3 @@ def ensure(cache_dir: str | Path, preset: str, seed: int,
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("IMAGENET_DP_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "imagenet-dp"

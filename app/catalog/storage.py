@@ -14,12 +14,15 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from app.runtime.errors import UserError
 
 DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
-LAYOUTS = ("kaggle", "imagefolder")
+FILE_LAYOUTS = ("kaggle", "imagefolder")  # one file per image
+SHARD_LAYOUTS = ("wds", "parquet")  # many images per file (app/catalog/shards.py)
+LAYOUTS = FILE_LAYOUTS + SHARD_LAYOUTS
 # URL schemes obstore reads, by store; the s3fs reader reads only S3.
 OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "az": "azure", "abfs": "azure",
                         "abfss": "azure", "adl": "azure", "azure": "azure"}
@@ -109,6 +112,15 @@ class DatasetRoot:
 
     def describe(self, relative: str = "") -> str:
         return self.url.rstrip("/") + ("/" + relative if relative else "")
+
+
+def default_cache_dir() -> Path:
+    """Where generated samples and fetched shards go unless an entry says `cache_dir`."""
+    env = os.environ.get("IMAGENET_DP_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "imagenet-dp"
 
 
 def scheme_of(url: str) -> str:

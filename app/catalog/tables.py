@@ -13,10 +13,10 @@ import re
 
 import pandas as pd
 
-from app.catalog import imagefolder
+from app.catalog import imagefolder, shards
 from app.catalog.labels import (SAFE_ID, SAFE_NAME, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex,
                                 Tables, finish, parse_synset_mapping, select_classes)
-from app.catalog.storage import DatasetRoot
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError
 
 # The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge),
@@ -38,6 +38,8 @@ def load_tables(root: DatasetRoot, classes: Classes = 0, train_index: str = "cls
     chooses the Kaggle layout's train list; one folder per class is always listed)."""
     if root.layout == "imagefolder":
         return imagefolder.load_tables(root, classes)
+    if root.layout in SHARD_LAYOUTS:
+        return shards.load_tables(root, classes)
     index = class_index(root, classes)
     notes = []
     if train_index == "csv":

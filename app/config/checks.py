@@ -27,6 +27,8 @@ def validate(config: Config) -> None:
                         "evaluates both with --model-ema")
     if config.parallel.gpus and config.parallel.devices:
         raise UserError("give either --gpus or --devices, not both")
+    if config.parallel.replicas_as == "threads":
+        validate_threads(config)
     kinds = {device.split(":")[0] for device in config.parallel.devices}
     if {"cpu", "cuda"} <= kinds:
         # Replicas on both would step in different precisions and kernels (they must stay
@@ -49,3 +51,18 @@ def validate_progressive(data: DataConfig) -> None:
             and data.progressive_end_epoch <= data.progressive_start_epoch):
         raise UserError(f"--progressive-end-epoch ({data.progressive_end_epoch}) must be after "
                         f"--progressive-start-epoch ({data.progressive_start_epoch})")
+
+
+def validate_threads(config: Config) -> None:
+    """What replicas that are threads of one process cannot do, each with its reason."""
+    if config.parallel.sync == "allreduce":
+        raise UserError("--sync allreduce needs a process per replica (torch.distributed); "
+                        "threads average through the parameter server: drop --sync or use "
+                        "--replicas-as processes")
+    if config.train.compile == "on":
+        # pytorch/pytorch#118260, #136833: dynamo and inductor are not thread-safe
+        raise UserError("--compile on: torch.compile is not thread-safe, so threads train "
+                        "eagerly; use --replicas-as processes to compile")
+    if config.run.max_restarts:
+        raise UserError("--max-restarts restarts worker processes; threads cannot be "
+                        "replaced: use --replicas-as processes, or resume after a failure")

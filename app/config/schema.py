@@ -79,8 +79,10 @@ class DataConfig:
         choices=("cls", "csv", "listing"))
     decoder: str = param(
         "auto", "input pipeline: dali = NVIDIA DALI (the GPU's hardware JPEG decoder; on a CPU "
-        "its CPU operators), pillow = Pillow in DataLoader processes, auto = dali on CUDA when "
-        "DALI is installed, else pillow", choices=("auto", "dali", "pillow"))  # + DECODERS
+        "its CPU operators), nvjpeg = torchvision's batched nvJPEG decode on the training GPU "
+        "(nothing to install; libjpeg-turbo on a CPU), pillow = Pillow in DataLoader "
+        "processes, auto = on CUDA dali when DALI is installed, else nvjpeg; on a CPU pillow",
+        choices=("auto", "dali", "nvjpeg", "pillow"))  # + DECODERS
     hw_decoder_load: float = param(
         1.0, "DALI on a GPU: share of each batch for the hardware JPEG decoder (1.0: every "
         "image it can take, independent of the batch)", check=(lambda v: 0 <= v <= 1,
@@ -249,6 +251,13 @@ class ParallelConfig:
                       check=at_least(0))
     devices: list[str] = param(
         [], "explicit worker devices, repeats allowed: cuda:0,cuda:1 or cpu,cpu")
+    # How the replicas run; the sync below is how they agree.
+    replicas_as: str = param(
+        "auto", "replicas as processes (one worker process per device, plus the parameter "
+        "server's) or threads (one thread per device in this process, the parameter server a "
+        "thread too: nothing is pickled; no compile, no all-reduce, no --max-restarts); auto "
+        "= processes from bin/driver.py, threads from Python (app.train)",
+        choices=("auto", "processes", "threads"))
     sync: str = param(
         "auto", "gradient sync: ps = parameter server (one machine), allreduce = "
         "torch.distributed DDP (also under torchrun); auto = ps, or allreduce under torchrun",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any
@@ -185,3 +186,31 @@ def make_config(overrides: dict[tuple[str, str], Any] | None = None,
 
 def dump_toml(config: Config) -> str:
     return tomli_w.dumps(config.to_dict())
+
+
+# --- keywords (the Python API) ------------------------------------------------------------
+
+def keyword_names() -> dict[str, tuple[str, str]]:
+    """Keyword -> (section, key): each key by its name, and by its flag's (run_name)."""
+    names = {}
+    for section, section_cls in _section_types().items():
+        for f in dataclasses.fields(section_cls):
+            names[f.name] = (section, f.name)
+            names[_flags(section, f)[-1].lstrip("-").replace("-", "_")] = (section, f.name)
+    return names
+
+
+def config_from_keywords(keywords: dict[str, Any], file: str = "", caller: str = "") -> Config:
+    """Defaults, then the TOML `file`, then `keywords`: the Python API's counterpart of
+    parse_config, checked by the same rules. An unknown keyword names the nearest known one."""
+    known = keyword_names()
+    overrides = _overrides_from_file(file) if file else {}
+    source = dict.fromkeys(overrides, file)
+    for name, value in keywords.items():
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]}=?" if near else "see help(app.prepare_training)"
+            raise UserError(f"{caller}: unknown keyword {name}=; {hint}")
+        overrides[known[name]] = value
+        source[known[name]] = f"{caller}({name}=...)"
+    return make_config(overrides, source)

@@ -1,5 +1,6 @@
-"""The input pipeline: sampler (this worker's share of a seeded epoch order) -> reader (bytes,
-many requests in flight; object_store, cache) -> decode -> augment (the recipes' plan(): crops,
+"""The input pipeline: sampler (this worker's share of a seeded epoch order; windows for
+shards) -> samples (bytes and label: reader, many requests in flight, object_store, cache; or
+shard_reader, by offset from local shards) -> decode -> augment (the recipes' plan(): crops,
 flips, auto-augment, the same whichever decoder runs) -> a decoder's pipeline behind one contract
 (pipeline, decoders: Pillow, DALI) -> device batches (device, batch_augment).
 

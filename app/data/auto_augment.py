@@ -4,7 +4,7 @@ signed magnitudes, drawn from the image's own random stream.
 
 Plain Python like app/data/augment.py (DALI's reader processes import it). A magnitude is the
 value torchvision's `_apply_op` takes for that op: a shear factor, pixels, degrees, an enhance
-offset (factor - 1), bits or a threshold; app/data/pillow_ops.py and app/data/dali_ops.py
+offset (factor - 1), bits or a threshold; app/data/image_ops.py and app/data/dali_ops.py
 apply it.
 """
 

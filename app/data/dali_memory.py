@@ -1,5 +1,5 @@
 """What a DALI pipeline's JPEG decoder reserves, sized for each split (no DALI import here, so
-gpu-check and the tests can state it anywhere).
+gpu-check and the tests can state it anywhere), and the image size it preallocates for.
 
 DALI's mixed decoder preallocates, when the pipeline is built, one device buffer of
 `device_memory_padding` bytes per thread and two pinned host buffers of `host_memory_padding`
@@ -22,11 +22,27 @@ for an image is not an error: nvJPEG reallocates it to fit, and it keeps that si
   seen, so what it can grow to is bounded by train's formula for its threads.
 - Threads: no more than the batch's images. DALI hands a batch's images to its threads, one
   image per task, so a thread beyond the batch size never decodes, yet would hold its buffers.
+
+The preallocation hint (`preallocate_width_hint` x `preallocate_height_hint`, what the hardware
+decoder's buffers are sized for at build) was ImageNet's largest train image, 5980 x 6430, for
+both splits: ~3.2 GB of GPU memory per pipeline measured on an H100 (docs/benchmarks.md),
+whatever the paddings. It is now the largest width and height among the headers of a seeded
+sample of the split's images (`largest_image`): HINT_SAMPLE reads through the dataset's own
+reader, about a second on local disk, where every header of ImageNet's train set would take
+minutes locally and a GET per image on an object store. A hint is no limit: an image beyond it
+makes nvJPEG grow that buffer once, and it keeps that size. ImageNet's images are mostly under
+500 x 500, so a sample's largest is a fraction of the fixed value.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import Sequence
+
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
+from app.data.decode import BadImage, open_image
+from app.data.reader import BlobReader
 
 # NVIDIA's values for ImageNet: the biggest image (5980 x 6430) decodes without reallocation.
 IMAGENET_DEVICE_PADDING = 211_025_920
@@ -35,6 +51,8 @@ IMAGENET_HOST_PADDING = 140_544_512
 # formula stays true if a later DALI changes them.
 DALI_DEVICE_PADDING = 16 * 2**20
 DALI_HOST_PADDING = 8 * 2**20
+IMAGENET_LARGEST = (5980, 6430)  # width, height: the hint NVIDIA's examples use (an upper bound)
+HINT_SAMPLE = 512  # images whose headers set the hint
 PADDINGS = {"train": (IMAGENET_DEVICE_PADDING, IMAGENET_HOST_PADDING),
             "val": (DALI_DEVICE_PADDING, DALI_HOST_PADDING)}
 
@@ -64,3 +82,26 @@ def decoder_memory(split: str, batch_size: int, threads: int) -> DecoderMemory:
     "val") decoding batches of `batch_size` images with up to `threads` threads."""
     device_padding, host_padding = PADDINGS[split]
     return DecoderMemory(max(1, min(threads, batch_size)), device_padding, host_padding)
+
+
+def largest_image(root: DatasetRoot, paths: Sequence[str], sample: int = HINT_SAMPLE,
+                  seed: int = 0) -> tuple[int, int]:
+    """(width, height): the largest of each among the headers of `sample` of `paths` (seeded,
+    so every worker finds the same), no larger than ImageNet's largest; unreadable files are
+    passed over (the run skips them anyway). Shard layouts keep ImageNet's bound: a header
+    there is read by fetching its whole shard."""
+    if root.layout in SHARD_LAYOUTS:
+        return IMAGENET_LARGEST
+    chosen = random.Random(seed).sample(list(paths), min(sample, len(paths)))
+    width = height = 0
+    for data, _ in BlobReader(root).read_many(chosen):
+        if data is None:
+            continue
+        try:
+            image = open_image(data)  # the header only
+        except BadImage:
+            continue
+        width, height = max(width, image.width), max(height, image.height)
+    if not width:
+        return IMAGENET_LARGEST
+    return min(width, IMAGENET_LARGEST[0]), min(height, IMAGENET_LARGEST[1])

@@ -1,21 +1,21 @@
 """The DALI input pipeline: our recipe, NVIDIA's engine.
 
-Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's
-bytes through our BlobReader and hand DALI each image's crop box and flip from the recipe's
-plan(), so data order and augmentation stay functions of (seed, epoch, image) and exact resume
-holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with the hardware
-JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's filter) and
-normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW where the
-model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over each image's
-op ids and magnitudes, and DALI conditionals run each sample's ops (app/data/dali_ops.py)
-between the flip and the normalisation, torchvision's order.
+Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's bytes
+through app/data/samples.py (files or shards) and hand DALI each image's crop box and flip from
+the recipe's plan(), so data order and augmentation stay functions of (seed, epoch, image) and
+exact resume holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with
+the hardware JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's
+filter) and normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW
+where the model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over
+each image's op ids and magnitudes, and DALI conditionals run each sample's ops
+(app/data/dali_ops.py) between the flip and the normalisation, torchvision's order.
 
-Bad data never ends a run: the reader replaces what it cannot read or decode-check with a
+A bad image never ends a run (a damaged shard does, with its one-line error: the batch is redone
+through Pillow, which raises it): the reader replaces what it cannot read or decode-check with a
 placeholder and a reason, and this side drops those images and reports them like the Pillow
 path. Should DALI still fail a batch (a file whose header looked fine), that batch is redone
 through the Pillow path, where the bad file is found and skipped, and the pipeline is rebuilt
-from the next step.
-"""
+from the next step. """
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from app.data.dali_memory import decoder_memory
+from app.data.dali_memory import decoder_memory, largest_image
 from app.data.dali_ops import augment
 from app.data.dali_source import BatchSource
 from app.data.device import ToDevice
@@ -43,7 +43,6 @@ READER_TYPES = [types.UINT8, types.INT32, types.INT32, types.INT32, types.INT64,
                 types.UINT8, types.FLOAT]
 OPS_TYPES = [types.INT32, types.FLOAT64]  # with auto-augment: op ids, magnitudes
 BATCHES_AHEAD = 2  # per reader process
-LARGEST_IMAGE = (5980, 6430)  # width, height: ImageNet's largest train image fits
 
 
 class DaliPipeline:
@@ -56,8 +55,13 @@ class DaliPipeline:
         self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
         # the decoder's threads and buffers, sized for this split (app/data/dali_memory.py);
         # a fixed order marks the evaluation pass
-        self.memory = decoder_memory("train" if spec.batches.shuffle else "val",
-                                     spec.batches.batch_size, spec.workers)
+        split = "train" if spec.batches.shuffle else "val"
+        self.memory = decoder_memory(split, spec.batches.batch_size, spec.workers)
+        self.largest = largest_image(spec.root, spec.frame.path) if \
+            spec.form.device.type == "cuda" else None  # only the mixed decoder preallocates
+        if self.largest:
+            log.info("DALI (%s): the decoder preallocates for %d x %d, the largest of a sample "
+                     "of the images", split, *self.largest)
 
     def steps_per_epoch(self) -> int:
         return self.spec.batches.steps_per_epoch()
@@ -80,7 +84,12 @@ class DaliPipeline:
             stream = self.consumer_stream()
             try:
                 outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
-            except RuntimeError as error:  # DALI failed the batch: it must be rebuilt
+            except StopIteration:
+                raise
+            except Exception as error:  # noqa: BLE001 (DALI raises both kinds below)
+                # DALI failed the batch (RuntimeError), or one of its reader processes did (a
+                # bare Exception: a damaged shard): the batch is redone with Pillow, which
+                # skips a bad image or raises the reader's own error here; then DALI is rebuilt
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
@@ -140,8 +149,9 @@ class DaliPipeline:
         image it can take there, so which decoder an image meets does not depend on its batch;
         `affine=False` leaves the cores unpinned for the other workers of the machine;
         fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow; per-thread
-        buffers as this split's sizing says."""
-        width, height = LARGEST_IMAGE
+        buffers as this split's sizing says, preallocated for the largest image of a sample of
+        the split (app/data/dali_memory.py)."""
+        width, height = self.largest
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
                 **self.memory.decoder_options(), "affine": False,
@@ -182,7 +192,7 @@ class DaliPipeline:
     def redo_with_pillow(self, epoch: int, step: int) -> DeviceBatch:
         spec = self.spec
         if self.fallback is None:
-            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe)
+            self.fallback = ImageDataset(spec.root, spec.frame, spec.recipe, spec.batches)
         items = spec.batches.items(spec.batches.order(epoch), epoch, step)
         host = collate(self.fallback.__getitems__(BatchRequest(items, [], epoch)))
         images, labels = self.to_device(host.images, host.labels)

@@ -3,10 +3,11 @@ auto-augment ops of our own recipe, so DALI decodes exactly the region the Pillo
 crop and applies the same ops with the same magnitudes.
 
 The callable is picklable and imports no torch (DALI spawns its processes and imports this
-module there). It reads through our BlobReader, so every catalog entry (local, S3, cache)
-works. A bad file never reaches DALI's decoder, which would fail the whole batch: what the
-header tells is checked first, and a bad or missing image travels as a tiny placeholder with
-its reason, so the pipeline drops it and reports it like the Pillow path does.
+module there). It reads through app/data/samples.py, so every catalog entry (local, S3,
+cache, shards) works. A bad file never reaches DALI's decoder, which would fail the whole
+batch: what the header tells is checked first, and a bad or missing image travels as a tiny
+placeholder with its reason, so the pipeline drops it and reports it like the Pillow path
+does.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ from PIL import Image
 from app.catalog.storage import DatasetRoot
 from app.data.augment import Plan, Recipe
 from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
-from app.data.decode import BadImage, open_image, to_rgb
-from app.data.reader import BlobReader
+from app.data.decode import BadImage, open_complete, to_rgb
+from app.data.samples import open_samples
 from app.data.sampler import ShardedBatches
 from app.runtime.interrupts import ignore_stop_signals
 
-JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
-PNG_END = b"IEND\xaeB`\x82"
 NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
 OP_IDS = {name: index for index, name in enumerate(OP_NAMES)}
 
@@ -43,15 +42,11 @@ def placeholder() -> bytes:
 def prepare(data: bytes) -> tuple[int, int, bytes]:
     """(height, width, bytes for DALI) from what the header says, or BadImage.
 
-    Truncated files are caught here, because DALI may fill the missing part with grey instead
-    of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else (CMYK JPEGs,
-    palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow, exactly as
-    the Pillow path does, and handed over as a lossless PNG."""
-    image = open_image(data)
-    if image.format == "JPEG" and JPEG_END not in data[data.rfind(JPEG_SCAN):]:
-        raise BadImage("not decodable: truncated (no end of image after the last scan)")
-    if image.format == "PNG" and not data.rstrip(b"\0").endswith(PNG_END):
-        raise BadImage("not decodable: truncated PNG (no IEND chunk at its end)")
+    Truncated files are caught here (open_complete): DALI may fill the missing part with grey
+    instead of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else
+    (CMYK JPEGs, palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow,
+    exactly as the Pillow path does, and handed over as a lossless PNG."""
+    image = open_complete(data)
     if (image.format, image.mode) not in NATIVE:
         buffer = io.BytesIO()
         to_rgb(image).save(buffer, "PNG", compress_level=1)
@@ -69,9 +64,7 @@ class BatchSource:
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches, first_epoch: int, first_step: int):
-        self.reader = BlobReader(root)
-        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
-        self.labels = frame.label.to_numpy().astype(np.int64)
+        self.samples = open_samples(root, frame, batches)
         self.recipe = recipe
         self.slots = recipe.policy().slots
         self.batches = batches
@@ -96,17 +89,17 @@ class BatchSource:
         if step >= self.batches.steps_per_epoch():
             raise StopIteration  # also for the batches DALI asks for ahead of the epoch's end
         items = self.batches.items(self.order(epoch), epoch, step)
-        paths = [self.paths[index].decode("utf-8") for index, _ in items]
-        blobs = self.reader.read_many(paths)
+        samples = self.samples.read([index for index, _ in items], epoch=epoch)
         recipe = self.recipe.at_epoch(epoch)
         columns: tuple[list[np.ndarray], ...] = tuple([] for _ in range(10 if self.slots else 8))
-        for (index, seed), (data, reason) in zip(items, blobs):
-            for column, value in zip(columns, self.sample(recipe, index, seed, data, reason)):
+        for (index, seed), (data, reason, label) in zip(items, samples):
+            for column, value in zip(columns, self.sample(recipe, index, seed, data, reason,
+                                                          label)):
                 column.append(value)
         return columns
 
     def sample(self, recipe: Recipe, index: int, seed: int, data: bytes | None,
-               reason: str) -> tuple:
+               reason: str, label: int) -> tuple:
         if data is not None:
             try:
                 height, width, data = prepare(data)
@@ -118,7 +111,7 @@ class BatchSource:
         top, left, h, w = plan.box
         return (np.frombuffer(data, dtype=np.uint8), np.array([left, top], dtype=np.int32),
                 np.array([w, h], dtype=np.int32), np.array(int(plan.flip), dtype=np.int32),
-                np.array(self.labels[index]), np.array(index, dtype=np.int64),
+                np.array(label, dtype=np.int64), np.array(index, dtype=np.int64),
                 np.frombuffer(reason.encode("utf-8"), dtype=np.uint8),
                 np.array(recipe.size, dtype=np.float32),
                 *(op_columns(plan.ops, self.slots) if self.slots else ()))

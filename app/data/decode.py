@@ -15,6 +15,8 @@ from app.runtime.errors import first_line
 
 # Decoding errors that mean "this file is not a usable image" rather than a bug here.
 BAD_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+JPEG_SCAN, JPEG_END = b"\xff\xda", b"\xff\xd9"
+PNG_END = b"IEND\xaeB`\x82"
 
 
 class BadImage(Exception):
@@ -29,6 +31,18 @@ def open_image(data: bytes) -> Image.Image:
             return Image.open(io.BytesIO(data))
     except (*BAD_IMAGE_ERRORS, Image.DecompressionBombWarning) as error:
         raise BadImage(_reason(error, data)) from None
+
+
+def open_complete(data: bytes) -> Image.Image:
+    """open_image, and the file's end checked: a truncated file is refused here, from the
+    bytes alone, because the GPU decoders (DALI's, nvJPEG) may fill its missing part with grey
+    instead of failing, as Pillow does when it decodes it."""
+    image = open_image(data)
+    if image.format == "JPEG" and JPEG_END not in data[data.rfind(JPEG_SCAN):]:
+        raise BadImage("not decodable: truncated (no end of image after the last scan)")
+    if image.format == "PNG" and not data.rstrip(b"\0").endswith(PNG_END):
+        raise BadImage("not decodable: truncated PNG (no IEND chunk at its end)")
+    return image
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

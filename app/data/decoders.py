@@ -1,8 +1,10 @@
 """Input pipelines by name (`data.decoder`): adding a decoder is one entry here.
 
 Implementations are imported only when chosen: a machine without a decoder's package (DALI)
-can run the others. `auto` is DALI when the training device is a GPU and DALI imports, else
-Pillow: on a CPU the two are about as fast (docs/benchmarks.md) and Pillow starts faster.
+can run the others. `auto` on a GPU is DALI when it imports, else torchvision's nvJPEG (in
+every torchvision with CUDA: nothing to install); on a CPU it is Pillow: there the decoders are
+about as fast (docs/benchmarks.md), and Pillow starts faster and decodes in the loader
+processes rather than in the training process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ def _pillow(spec: PipelineSpec, options: dict) -> InputPipeline:  # no options o
     return PillowPipeline(spec)
 
 
+def _nvjpeg(spec: PipelineSpec, options: dict) -> InputPipeline:  # nothing to tune yet
+    from app.data.nvjpeg_pipeline import NvjpegPipeline  # noqa: PLC0415
+    return NvjpegPipeline(spec)
+
+
 def _dali(spec: PipelineSpec, options: dict) -> InputPipeline:
     if not dali_imports():
         raise UserError("--decoder dali: NVIDIA DALI does not import here; pip install "
@@ -29,7 +36,7 @@ def _dali(spec: PipelineSpec, options: dict) -> InputPipeline:
 
 
 DECODERS: dict[str, Callable[[PipelineSpec, dict], InputPipeline]] = {
-    "pillow": _pillow, "dali": _dali}
+    "pillow": _pillow, "nvjpeg": _nvjpeg, "dali": _dali}
 
 
 def dali_imports() -> bool:
@@ -41,9 +48,11 @@ def dali_imports() -> bool:
 
 
 def resolve_decoder(decoder: str, device: torch.device) -> str:
-    if decoder == "auto":
-        return "dali" if device.type == "cuda" and dali_imports() else "pillow"
-    return decoder
+    if decoder != "auto":
+        return decoder
+    if device.type != "cuda":
+        return "pillow"
+    return "dali" if dali_imports() else "nvjpeg"
 
 
 def build_pipeline(decoder: str, spec: PipelineSpec, **options) -> InputPipeline:

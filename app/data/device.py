@@ -37,6 +37,9 @@ class ToDevice:
         """uint8 (n, H, W, 3) and int64 (n,) on the host (pinned when the device is a GPU)
         -> normalised (n, 3, H, W) and labels on the device."""
         images = images.to(self.form.device, non_blocking=True).permute(0, 3, 1, 2)
+        return self.normalise(images), labels.to(self.form.device, non_blocking=True)
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (n, 3, H, W) on the device -> the model's dtype and memory format, normalised."""
         images = images.to(dtype=self.form.dtype, memory_format=self.memory_format)
-        images.sub_(self.mean).div_(self.std)
-        return images, labels.to(self.form.device, non_blocking=True)
+        return images.sub_(self.mean).div_(self.std)

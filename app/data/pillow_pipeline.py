@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -23,13 +23,14 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from app.catalog.storage import DatasetRoot
-from app.data.augment import Recipe
+from app.data.augment import Plan, Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
-from app.data.pillow_ops import apply_ops
+from app.data.image_ops import apply_ops
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
-from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
+from app.data.samples import Sample, open_samples
+from app.runtime.errors import UserError, original_error
 from app.runtime.interrupts import ignore_stop_signals
 
 READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
@@ -71,9 +72,13 @@ class ReadAhead:
 def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
     """Crop, resize (antialiased bilinear), flip and auto-augment an RGB image -> uint8 tensor
     (S, S, 3)."""
-    plan = recipe.plan(image.height, image.width, seed)
+    return apply_plan_on_pil(image, recipe.plan(image.height, image.width, seed), recipe.size)
+
+
+def apply_plan_on_pil(image: Image.Image, plan: Plan, size: int) -> torch.Tensor:
+    """An image's plan, carried out by Pillow -> uint8 tensor (size, size, 3)."""
     top, left, h, w = plan.box
-    out = image.resize((recipe.size, recipe.size), Image.Resampling.BILINEAR,
+    out = image.resize((size, size), Image.Resampling.BILINEAR,
                        box=(left, top, left + w, top + h))
     if plan.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -99,16 +104,13 @@ class ImageDataset(Dataset):
     batch (a BatchRequest) to __getitems__, so its blobs are read concurrently, and the ones
     of the next batches meanwhile."""
 
-    def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe):
-        self.reader = BlobReader(root)
-        # Fixed-width bytes, not Python strings: forked workers then share these pages
-        # instead of copying them as reference counts change.
-        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
-        self.labels = torch.tensor(frame.label.to_numpy(), dtype=torch.int64)
+    def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
+                 batches: ShardedBatches):
+        self.samples = open_samples(root, frame, batches)
         self.recipe = recipe
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.samples)
 
     def __getitem__(self, item: tuple[int, int]):
         return self.__getitems__([item])[0]
@@ -116,24 +118,25 @@ class ImageDataset(Dataset):
     def __getitems__(self, request: BatchRequest | list[tuple[int, int]]) -> list:
         if not isinstance(request, BatchRequest):
             request = BatchRequest(request, [])
-        items = request.items
-        paths = [self.paths[index].decode("utf-8") for index, _ in items]
-        upcoming = [self.paths[index].decode("utf-8") for index in request.upcoming]
-        blobs = self.reader.read_many(paths, upcoming)
+        rows = [row for row, _ in request.items]
+        samples = self.samples.read(rows, request.upcoming, request.epoch)
         recipe = self.recipe.at_epoch(request.epoch)
-        return [self.decode(path, blob, index, seed, recipe)
-                for path, blob, (index, seed) in zip(paths, blobs, items)]
+        return [self.decode(self.samples.name(row), sample, seed, recipe)
+                for row, sample, (_, seed) in zip(rows, samples, request.items)]
 
-    def decode(self, path: str, blob: tuple[bytes | None, str], index: int, seed: int,
-               recipe: Recipe):
-        data, reason = blob
+    def decode(self, path: str, sample: Sample, seed: int, recipe: Recipe):
+        data, reason, label = sample
         if data is None:
             return Skipped(path, reason)
         try:
-            pixels = apply_on_pil(to_rgb(open_image(data)), recipe, seed)
+            return self.prepare(path, data, seed, recipe), torch.tensor(label, dtype=torch.int64)
         except BadImage as error:
             return Skipped(path, str(error))
-        return pixels, self.labels[index]
+
+    def prepare(self, path: str, data: bytes, seed: int, recipe: Recipe):
+        """What this process hands over for the image: here its pixels, as the recipe wants
+        them; BadImage when the bytes are no usable image."""
+        return apply_on_pil(to_rgb(open_image(data)), recipe, seed)
 
 
 def collate(items: list) -> HostBatch:
@@ -147,24 +150,33 @@ def collate(items: list) -> HostBatch:
 
 
 def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
-                 batches: ShardedBatches, workers: int, pin_memory: bool = False) -> DataLoader:
+                 batches: ShardedBatches, workers: int, pin_memory: bool = False,
+                 dataset_type: type[ImageDataset] = ImageDataset,
+                 collate_fn: Callable[[list], object] = collate) -> DataLoader:
+    """`dataset_type` and `collate_fn`: what the loader processes make of each image and
+    batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
     # Remote filesystems (s3fs: an event loop thread, open connections) must not cross a
     # fork (fsspec/s3fs #914): their loader processes are spawned and open their own.
     context = None if workers == 0 or root.is_local else "spawn"
-    return DataLoader(ImageDataset(root, frame, recipe),
+    return DataLoader(dataset_type(root, frame, recipe, batches),
                       batch_sampler=ReadAhead(batches, workers), num_workers=workers,
-                      collate_fn=collate, pin_memory=pin_memory,
+                      collate_fn=collate_fn, pin_memory=pin_memory,
                       persistent_workers=workers > 0, multiprocessing_context=context,
                       worker_init_fn=ignore_stop_signals)
 
 
 class PillowPipeline:
+    # what the loader processes hand over (subclasses: other work in them, the rest on the device)
+    dataset_type: type[ImageDataset] = ImageDataset
+    collate_fn = staticmethod(collate)
+
     def __init__(self, spec: PipelineSpec):
         self.batches = spec.batches
         self.to_device = ToDevice(spec.form)
         self.loader: DataLoader | None = build_loader(
             spec.root, spec.frame, spec.recipe, spec.batches, spec.workers,
-            pin_memory=spec.form.device.type == "cuda")
+            pin_memory=spec.form.device.type == "cuda", dataset_type=self.dataset_type,
+            collate_fn=self.collate_fn)
 
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Nothing to take in advance: batches are pinned and moved through torch's caching
@@ -178,9 +190,25 @@ class PillowPipeline:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
         self.batches.set_epoch(epoch, start_step)
-        for batch in self.loader:
-            images, labels = self.to_device(batch.images, batch.labels)
-            yield DeviceBatch(images, labels, batch.skipped)
+        failure = None
+        try:
+            for batch in self.loader:
+                yield self.on_device(batch)
+        except UserError as error:  # a damaged shard, met in a loader process
+            failure = original_error(error)
+        if failure is not None:
+            # Its loader processes stop now: left to garbage collection they may not stop
+            # before the interpreter exits, whose join would then wait for them forever (they
+            # ignore SIGTERM: app/runtime/interrupts.py).
+            iterator = getattr(self.loader, "_iterator", None)
+            if iterator is not None:
+                iterator._shutdown_workers()  # noqa: SLF001 (DataLoader has no public stop)
+            self.close()
+            raise failure
+
+    def on_device(self, batch: HostBatch) -> DeviceBatch:
+        images, labels = self.to_device(batch.images, batch.labels)
+        return DeviceBatch(images, labels, batch.skipped)
 
     def close(self) -> None:
         self.loader = None  # its persistent worker processes shut down with it

@@ -106,9 +106,12 @@ class ShardedBatches:
         if not self.shuffle:
             return np.arange(self.num_items)
         epoch = self.epoch if epoch is None else epoch
-        images = np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
-        images = images[:self.images_per_epoch()]
+        images = self.permutation(epoch)[:self.images_per_epoch()]
         return (images[:, None] * self.repetitions + np.arange(self.repetitions)).ravel()
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Every item once, in the epoch's order (app/data/windows.py orders shards' samples)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
 
     def augmentation_seed(self, epoch: int, index: int, copy: int) -> int:
         # The first copy keeps the seed the image has without repetitions: such runs (and

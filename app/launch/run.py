@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 from app.catalog import skipped
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
-from app.config import Config
+from app.config import Config, DataConfig
 from app.config.sources import dump_toml, parse_config
-from app.data.resolution import resolve
+from app.data.resolution import Resolution, resolve
 from app.runtime import slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
@@ -128,6 +128,10 @@ def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
     from app.parallel.restarts import run_with_restarts  # noqa: PLC0415
     run = job.config.run
     stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
+    if job.config.parallel.replicas_as == "threads" and len(devices) > 1:
+        from app.parallel.threads import run_threads  # noqa: PLC0415
+        return run_threads(train_process, with_eager_threads(job), devices, job.config.parallel,
+                           stopping)
 
     def start(on_failure: Callable[[str], None]) -> int:
         return launch(train_process, job, devices, mode, job.config.parallel, stopping,
@@ -139,6 +143,16 @@ def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
         return record_restart(job, restart)
 
     return run_with_restarts(start, run.max_restarts, prepare)
+
+
+def with_eager_threads(job: TrainJob) -> TrainJob:
+    """torch.compile is not thread-safe (app/config/checks.py refuses --compile on with
+    threads): `auto` means eager for replicas that are threads."""
+    train = job.config.train
+    if train.compile != "auto":
+        return job
+    return dataclasses.replace(job, config=dataclasses.replace(
+        job.config, train=dataclasses.replace(train, compile="off")))
 
 
 def resumed_from_newest(job: TrainJob) -> TrainJob:
@@ -199,12 +213,8 @@ def prepare_job(config: Config) -> TrainJob:
     tables = load_tables(root, config.data.classes, config.data.train_index)
     for note in tables.notes:
         log.warning("%s", note)
-    data = config.data
-    image_size = data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
-    resolution = resolve(image_size, train_crop=data.train_crop_size,
-                         val_resize=data.val_resize_size, val_crop=data.val_crop_size,
-                         progressive=(data.progressive_start_size, data.progressive_end_size,
-                                      data.progressive_start_epoch, data.progressive_end_epoch))
+    image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
+    resolution = resolution_of(config.data, image_size)
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.output_dir) / name
     run_id = resumed_run_id(resume_from) or new_run_id()
@@ -213,6 +223,14 @@ def prepare_job(config: Config) -> TrainJob:
         data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
         run=dataclasses.replace(config.run, name=name, resume=resume_from))
     return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id)
+
+
+def resolution_of(data: DataConfig, image_size: int) -> Resolution:
+    """Train size per epoch, val resize and crop, from the data section's sizes."""
+    return resolve(image_size, train_crop=data.train_crop_size, val_resize=data.val_resize_size,
+                   val_crop=data.val_crop_size,
+                   progressive=(data.progressive_start_size, data.progressive_end_size,
+                                data.progressive_start_epoch, data.progressive_end_epoch))
 
 
 def resolve_resume(config: Config) -> tuple[str, str]:

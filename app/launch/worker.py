@@ -5,30 +5,55 @@ torchrun or srun starts it directly."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from app.loggers import NullLogger, build_loggers
+from app.loggers import Logger, NullLogger, build_loggers
+from app.loggers.relay import RelayLogger
 from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
 from app.runtime.devices import LaunchEnv, WorkerEnv, use_device
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
 from app.training.job import TrainJob
+from app.training.parts import ConfigParts, Parts
 from app.training.trainer import Stopped, train_worker
+from app.training.user_parts import UserParts
+
+
+def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
+    """The driver's worker: the config's parts, the loggers built here (the primary's).
+    Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
+    return run_replica(job, env, plan, cpu_workers, ConfigParts(),
+                       lambda: build_loggers(job.run_info()))
+
+
+@dataclass(frozen=True)
+class ApiJob:
+    """What a replica of app.train receives (in a thread, or pickled into a process)."""
+    job: TrainJob
+    parts: UserParts
+    relay: Any  # the queue the primary's log records go to, delivered in the caller's thread
+
+
+def api_replica(api: ApiJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
+    """A replica of app.train: the caller's parts; the primary relays its log records."""
+    return run_replica(api.job, env, plan, cpu_workers, api.parts, lambda: RelayLogger(api.relay))
 
 
 @peer_loss_as_sync_failure()
-def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
-    """Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
+def run_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int, parts: Parts,
+                primary_logger: Callable[[], Logger]) -> int:
     use_device(env.device, cpu_workers)
     sync = plan.connect(env)
     # Without a driver above the workers (one process, torchrun, srun), each process listens for
     # signals itself and the workers agree every step.
     own = None if plan.requests else AgreedRequests(sync, env.world_size,
                                                     job.config.run.checkpoint_interval)
-    loggers = build_loggers(job.run_info()) if env.is_primary else NullLogger()
+    loggers = primary_logger() if env.is_primary else NullLogger()
     try:
         if env.is_primary:
             loggers.log_config(job.config.to_dict())
-        outcome = train_worker(job, env, sync, loggers, plan.requests or own)
+        outcome = train_worker(job, env, sync, loggers, plan.requests or own, parts)
     finally:
         loggers.finish()
         if own:

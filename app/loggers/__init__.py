@@ -7,6 +7,10 @@ epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `t
 Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol,
 the fan-out and RunInfo (what a logger is told about its run) live in app/loggers/base.py.
 
+For the Python API, loggers are also objects (objects.py: Console, Notebook, Jsonl, Wandb,
+`logging_to`), started in the caller's thread, where the primary replica's records are relayed
+(relay.py); `history` turns a run's metrics.jsonl into its table of epochs.
+
 Imports only app.runtime and app.config: the loggers receive names and numbers, never the job.
 """
 
@@ -15,8 +19,10 @@ from __future__ import annotations
 from typing import Callable
 
 from app.loggers.base import Logger, Loggers, NullLogger, RunInfo
+from app.loggers.objects import Console, Jsonl, Notebook, Wandb, logging_to
 
-__all__ = ["LOGGERS", "Logger", "Loggers", "NullLogger", "RunInfo", "build_loggers"]
+__all__ = ["LOGGERS", "Console", "Jsonl", "Logger", "Loggers", "Notebook", "NullLogger",
+           "RunInfo", "Wandb", "build_loggers", "logging_to", "run_outputs"]
 
 
 def _console(run: RunInfo) -> Logger:
@@ -35,13 +41,14 @@ LOGGERS: dict[str, Callable[[RunInfo], Logger]] = {"console": _console, "wandb":
 
 
 def build_loggers(run: RunInfo) -> Loggers:
-    """metrics.jsonl and curves.png are always written (they are part of every run's
-    outputs); the chosen loggers come after them."""
+    """The outputs every run writes, then the loggers the config names."""
+    return Loggers(run_outputs(run) + [LOGGERS[name](run) for name in run.settings.loggers])
+
+
+def run_outputs(run: RunInfo) -> list[Logger]:
+    """metrics.jsonl and curves.png: part of every run's outputs, whatever else logs."""
     from app.loggers.curves import CurvesLogger  # noqa: PLC0415
     from app.loggers.jsonl import JsonlLogger  # noqa: PLC0415
     metrics = run.run_dir / "metrics.jsonl"
     # jsonl first: the curves are drawn from the file it has just appended to.
-    backends: list[Logger] = [JsonlLogger(metrics),
-                              CurvesLogger(metrics, run.run_dir / "curves.png")]
-    backends += [LOGGERS[name](run) for name in run.settings.loggers]
-    return Loggers(backends)
+    return [JsonlLogger(metrics), CurvesLogger(metrics, run.run_dir / "curves.png")]

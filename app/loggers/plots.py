@@ -51,6 +51,13 @@ PANELS = (  # (title, x column, [(column, line style)])
 
 def draw_curves(runs: dict[str, pd.DataFrame], path: str | Path) -> None:
     """One figure, four panels; each run in its own colour. Written atomically."""
+    figure = curves_figure(runs)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, dpi=90, format="png")
+
+
+def curves_figure(runs: dict[str, pd.DataFrame]):
+    """The figure of draw_curves (a notebook shows it in place: app/loggers/notebook.py)."""
     from matplotlib.figure import Figure  # noqa: PLC0415 (a second to import: only when drawing)
     figure = Figure(figsize=(11, 7), layout="constrained")
     axes = figure.subplots(2, 2).ravel()
@@ -72,8 +79,7 @@ def draw_curves(runs: dict[str, pd.DataFrame], path: str | Path) -> None:
         if axis.lines:
             axis.legend(fontsize="small")
     figure.suptitle(", ".join(runs))
-    with atomic_path(path) as temporary:
-        figure.savefig(temporary, dpi=90, format="png")
+    return figure
 
 
 def main(argv: list[str]) -> int:

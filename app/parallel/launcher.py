@@ -81,13 +81,15 @@ def print_failure(cause: str) -> None:
 
 def launch(target: Callable, job: Any, devices: list[str], mode: str,
            config: ParallelConfig, stopping: Stopping = Stopping(),
-           on_failure: Callable[[str], None] = print_failure, replaceable: bool = False) -> int:
+           on_failure: Callable[[str], None] = print_failure, replaceable: bool = False,
+           on_tick: Callable[[], None] | None = None) -> int:
     """Run `target(job, env, plan, cpu_workers)` once per device (`mode` from
     app/parallel/plans.py SYNC_MODES): in this process for an in-process mode (unless the
     caller may have to replace the worker: `replaceable`), else in spawned processes, plus
     the helpers the mode needs (the parameter server). Returns the exit code: 0,
     PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's, whose cause
-    (which process, how it ended) goes to `on_failure` as one line."""
+    (which process, how it ended) goes to `on_failure` as one line. `on_tick` is called
+    every POLL_S while the processes run (the Python API delivers log records there)."""
     sync_mode = SYNC_MODES[mode]
     if sync_mode.in_process and not replaceable:
         plan = sync_mode.setup(None, devices, config, None).plan
@@ -112,7 +114,7 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     for child in children:
         child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    return supervise(children, reports, requests, stopping, on_failure)
+    return supervise(children, reports, requests, stopping, on_failure, on_tick)
 
 
 class StopSignals:
@@ -153,7 +155,8 @@ class StopSignals:
 
 
 def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
-              stopping: Stopping, on_failure: Callable[[str], None] = print_failure) -> int:
+              stopping: Stopping, on_failure: Callable[[str], None] = print_failure,
+              on_tick: Callable[[], None] | None = None) -> int:
     """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
     the workers to save and stop at the next step, and wait for that up to stop_timeout; a
     second signal (or the timeout) stops them at once."""
@@ -166,6 +169,8 @@ def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
             if running:
                 connection.wait([*running, signals.wakeup], timeout=POLL_S)
                 signals.clear()
+            if on_tick:
+                on_tick()
             if signals.received and deadline is None:
                 step = requests.ask(stop=True)
                 deadline = time.monotonic() + (stopping.stop_timeout if step is not None else 0)

@@ -29,7 +29,7 @@ from app.parallel.buckets import split_buckets
 from app.parallel.handover import ServerSignals, server_signals
 from app.parallel.messages import post
 from app.parallel.packed import PackedTensors
-from app.parallel.watch import SyncFailure, Watch
+from app.parallel.watch import Abort, SyncFailure, Watch
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,12 @@ def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
     run_server(links, timeout_s)
 
 
-def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | None = None
-               ) -> None:
+def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | None = None,
+               abort: Abort | None = None) -> None:
     """Collect every worker's registration, broadcast worker 0's weights (it has restored any
-    checkpoint already), then average until every worker is done."""
-    watch = Watch(timeout_s=timeout_s)
+    checkpoint already), then average until every worker is done. The same code serves
+    worker processes (a process of its own: `serve`) and replica threads (a thread)."""
+    watch = Watch(timeout_s=timeout_s, abort=abort)
     workers = register_workers(links, watch)
     for rank in range(len(workers)):
         links.send_to(rank, ("hello", os.getpid(), workers[0].state))

@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -120,12 +121,32 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+class Abort:
+    """Replicas that are threads of one process cannot be killed: when one fails, or a stop
+    cannot wait, the others are told through this, and every wait of theirs ends within
+    POLL_S with the reason."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
 @dataclass
 class Watch:
-    """Receives from a queue, checking every POLL_S that the driver and the peers live."""
+    """Receives from a queue, checking every POLL_S that the driver and the peers live (and,
+    for threads, that nobody asked them to abort)."""
     peers: dict[str, int] = field(default_factory=dict)  # name -> pid
     parent: int = field(default_factory=os.getppid)
     timeout_s: float = 1800.0
+    abort: Abort | None = None
 
     def receive(self, source: "queue.Queue", waiting_for: str):
         started = time.monotonic()
@@ -159,6 +180,8 @@ class Watch:
                                    f"{likely_cause(error)}") from None
 
     def check(self) -> None:
+        if self.abort is not None and self.abort.is_set():
+            raise SyncFailure(self.abort.reason)
         if os.getppid() != self.parent:
             raise SyncFailure("the driver process is gone")
         for name, pid in self.peers.items():

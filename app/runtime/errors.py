@@ -25,3 +25,13 @@ def first_line(error: BaseException, limit: int = 160, with_type: bool = False) 
         return name
     text = lines[0][:limit]
     return f"{name}: {text}" if with_type else text
+
+
+def original_error(error: UserError) -> UserError:
+    """A UserError raised in a DataLoader process reaches the caller as the same type whose
+    message is torch's "Caught X in DataLoader worker process N. Original Traceback ...": the
+    one line the user should read is the original message at its end."""
+    text, marker = str(error), f"{type(error).__name__}: "
+    if "Original Traceback" not in text or marker not in text:
+        return error
+    return type(error)(text.rsplit(marker, 1)[1])

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 from timm.loss import BinaryCrossEntropy
 
+from app.runtime.errors import UserError
+
 if TYPE_CHECKING:
     from app.config import ModelConfig
 
@@ -53,3 +55,24 @@ def build_criterion(model: ModelConfig, label_smoothing: float) -> nn.Module:
     if model.bce_loss:
         return SmoothedBinaryCrossEntropy(label_smoothing, model.bce_target_thresh or None)
     return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+
+class CheckedLoss:
+    """The loss of a step, with the two mistakes a caller's model or loss can make told in one
+    line at the first step that shows them (shapes only: host metadata, no sync)."""
+
+    def __init__(self, criterion, num_classes: int):
+        self.criterion = criterion
+        self.num_classes = num_classes
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[1] != self.num_classes:
+            raise UserError(f"model: its output has shape {tuple(logits.shape)}, but the data "
+                            f"has {self.num_classes} classes; build it with num_classes="
+                            f"{self.num_classes} (one logit per class)")
+        loss = self.criterion(logits, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UserError(f"loss: returned {shape}, not a scalar tensor; return the batch's "
+                            "mean (e.g. reduction='mean' or .mean())")
+        return loss

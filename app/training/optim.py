@@ -46,9 +46,10 @@ def scaled_lr(config: OptimConfig, global_batch: int) -> float:
 
 def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
                     fused: bool = False) -> torch.optim.Optimizer:
-    """`fused`: one kernel per step that also takes fp16 loss scaling's inf check as a tensor,
-    so GradScaler.step skips a step on the device instead of asking the host (a sync per
-    step with the default implementation)."""
+    """`fused` (SGD, AdamW; Precision.fused_step says when): one kernel per step, which also
+    takes fp16 loss scaling's inf check as a tensor, so GradScaler.step skips a step on the
+    device instead of asking the host (a sync per step with the default implementation).
+    Otherwise torch's default: foreach on CUDA, a loop over the parameters on a CPU."""
     groups = param_groups(model, config.weight_decay, config.norm_weight_decay,
                           config.bias_weight_decay)
     lr = scaled_lr(config, global_batch)
@@ -133,17 +134,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
         optimizer, WarmupSchedule(config, steps_per_epoch, epochs, floor))
 
 
-def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
     """Continue at the saved step, on the schedule of the current config: a run resumed with
     more --epochs stretches its cosine instead of staying at the old end (zero). A schedule
     saved with other steps per epoch (a new global batch, from an epoch's end) goes on from
-    the same epoch, its step count mapped to this run's steps."""
+    the same epoch, its step count mapped to this run's steps. A scheduler that is not a
+    function of the step (a caller's own, from the Python API) loads its state."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.load_state_dict(state)
+        return
     schedules = scheduler.lr_lambdas
     saved = (state.get("lr_lambdas") or [None])[0]  # the saved WarmupSchedule's attributes
     counted_in = saved.get("steps_per_epoch") if isinstance(saved, dict) else None
     step = state["last_epoch"]
-    if counted_in and counted_in != schedules[0].steps_per_epoch:
-        step = round(step * schedules[0].steps_per_epoch / counted_in)
+    counts_in = getattr(schedules[0], "steps_per_epoch", counted_in)  # a caller's: as saved
+    if counted_in and counted_in != counts_in:
+        step = round(step * counts_in / counted_in)
     scheduler.load_state_dict({**state, "last_epoch": step,
                                "lr_lambdas": [None] * len(schedules)})  # None: keep ours
     for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,

@@ -38,6 +38,15 @@ class Precision:
             return torch.amp.GradScaler(self.device.type)
         return None
 
+    @property
+    def fused_step(self) -> bool:
+        """Whether SGD and AdamW step as one fused kernel: on CUDA (one kernel over all
+        parameters where foreach launches a few per group; `bin/bench.py model
+        --optimizer-steps foreach,fused` measures both), and under fp16 loss scaling anywhere,
+        where the fused step takes the overflow check as a tensor and skips on the device
+        instead of asking the host."""
+        return self.device.type == "cuda" or self.autocast_dtype is torch.float16
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device, dtype=self.input_dtype)
         if self.channels_last:

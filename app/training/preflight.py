@@ -60,7 +60,8 @@ def check_listed_files(job: TrainJob) -> None:
     """Every listed image exists (local datasets: one listing per folder) or a random sample of
     them does (object stores: one request per file). Missing files within --max-bad-fraction
     are skipped and listed like bad images; more stop the run here."""
-    listed = pd.concat([job.tables.train.path, job.tables.val.path], ignore_index=True)
+    listed = pd.concat([listed_files(job.tables.train), listed_files(job.tables.val)],
+                       ignore_index=True)
     root = job.root
     if root.is_local:
         checked = listed
@@ -80,6 +81,13 @@ def check_listed_files(job: TrainJob) -> None:
         raise UserError(f"{message}, more than --max-bad-fraction {limit:g}; fix the dataset "
                         "or the tables")
     log.warning("%s; they will be skipped and listed in skipped.tsv", message)
+
+
+def listed_files(frame: pd.DataFrame) -> pd.Series:
+    """The files a split reads: its images, or the shards that hold its samples (`SHARD#N`)."""
+    if "shard" not in frame:
+        return frame.path
+    return pd.Series(frame.path.str.rsplit("#", n=1).str[0].unique(), dtype=str)
 
 
 def _missing_local(root: Path, listed: pd.Series) -> list[str]:

@@ -138,3 +138,19 @@ def _to_bytes(value: dict) -> bytes:
 
 def _from_bytes(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def trained_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's weights in a checkpoint, with its floating-point buffers (BatchNorm
+    statistics) averaged over the replicas that wrote it: what every replica agrees on. A
+    checkpoint of an epoch's end has them averaged already; one of a stop mid-epoch holds each
+    replica's own."""
+    state = checkpoint.load(path)
+    weights = dict(state["model"])
+    replicas = [_from_bytes(data)["buffers"] for data in state.get("replicas") or []]
+    for name in weights:
+        values = [buffers[name] for buffers in replicas if name in buffers]
+        if values:
+            weights[name] = torch.stack([v.double() for v in values]).mean(0).to(
+                weights[name].dtype)
+    return weights

@@ -19,10 +19,15 @@ mode. Blocks of a stage share their code, so compiling them costs a few graphs, 
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.nn as nn
 
 from app.training import checkpoint
+
+log = logging.getLogger("imagenet_dp")
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
@@ -105,3 +110,19 @@ def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters  # noqa: PLC0415  (dynamo's own bookkeeping)
     return counters["stats"]["unique_graphs"]
+
+
+def report_compile_time(step_started: float, device: torch.device, size: int, logger,
+                        step: int) -> None:
+    """The first compiled step at each train size includes the compilation (about a minute
+    for a ResNet-50): worth a record of its own, logged at optimizer step `step`, with the
+    count of compiled graphs (one per region, mode and size, never one per step). Waits for
+    the device once per size."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - step_started
+    graphs = compiled_graphs()
+    log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
+             "so far: %d", size, seconds, graphs)
+    logger.log_metrics(step, {"compile/first_step_s": seconds, "compile/graphs": graphs,
+                              "train/image_size": size})

@@ -1,12 +1,14 @@
 """One worker's training. The Trainer owns the worker's state (model, optimizer, LR schedule,
-grad scaler, precision, input pipelines, position, epoch sums) and runs its loop.
+grad scaler, precision, input pipelines, position, epoch sums) and runs its loop; the model,
+optimizer, schedule and loss come from `parts` (parts.py: the config's, or a Python caller's).
 
 The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
-save/stop request. Everything parallel hides behind `sync` (app/parallel: `sync.step()` wraps
-forward and backward, `sync.finish_step()` waits for the averaged gradients); numerics behind
-`precision`; saving and stopping on request behind `requests` (app/runtime/interrupts.py).
-Losses stay on the device and are fetched every print interval, not every step. Both input
-pipelines are opened before the first step: what they reserve for the run is taken at its start.
+save/stop request. Its clock (pace.py) tells the share of each interval spent waiting for
+batches, and the time left. Everything parallel hides behind `sync` (app/parallel:
+`sync.step()` wraps forward and backward, `sync.finish_step()` waits for the averaged
+gradients); numerics behind `precision`; saving and stopping on request behind `requests`
+(app/runtime/interrupts.py). Losses stay on the device and are fetched every print interval.
+Both input pipelines are opened before the first step: what they reserve is taken at start.
 With --accum-steps K an optimizer step takes K batches (accumulation.py); steps count those.
 With --model-ema a moving average of the weights (ema.py) follows each step, is evaluated
 beside them every epoch, and is part of the state.
@@ -23,9 +25,9 @@ import torch
 
 from app.catalog.skipped import SkippedLog, check_bad_fraction
 from app.data.batch_augment import BatchAugment
+from app.data.decoders import resolve_decoder
 from app.data.pipeline import DeviceBatch
 from app.loggers import Logger, NullLogger
-from app.models.factory import create_model_from_config
 from app.parallel import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.interrupts import NoRequests, Requests
@@ -34,11 +36,13 @@ from app.training.accumulation import Accumulation
 from app.training.ema import build_ema
 from app.training.evaluate import evaluate
 from app.training.job import TrainJob
-from app.training.losses import build_criterion
-from app.training.optim import build_optimizer, build_scheduler, clip_gradients, restore_scheduler
+from app.training.losses import CheckedLoss
+from app.training.optim import clip_gradients, restore_scheduler
+from app.training.pace import INPUT_BOUND, Interval, Pace, input_bound_warning
+from app.training.parts import ConfigParts, Parts, seeded_model
 from app.training.precision import Precision
-from app.training.speed import (CompiledForFullBatches, compile_enabled, compiled_graphs,
-                                configure_backends)
+from app.training.speed import (CompiledForFullBatches, compile_enabled, configure_backends,
+                                report_compile_time)
 from app.training.tally import Tally
 from app.training.worker_pipelines import build_pipelines
 
@@ -66,9 +70,10 @@ Outcome = Finished | Stopped
 
 
 def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
-                 requests: Requests | None = None) -> Outcome:
-    """Train (or only evaluate) as configured, continuing from job.resume_from if given."""
-    trainer = Trainer(job, env, sync, logger, requests or NoRequests())
+                 requests: Requests | None = None, parts: Parts | None = None) -> Outcome:
+    """Train (or only evaluate) as configured, continuing from job.resume_from if given;
+    `parts`: the model, optimizer, schedule and loss (default: the config's)."""
+    trainer = Trainer(job, env, sync, logger, requests or NoRequests(), parts)
     try:
         if job.resume_from:
             trainer.load_state_dict(run_state.load(job, env))
@@ -81,38 +86,36 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
 
 class Trainer:
     def __init__(self, job: TrainJob, env: WorkerEnv, sync: GradientSync,
-                 logger: Logger | None = None, requests: Requests | None = None):
-        config = job.config
+                 logger: Logger | None = None, requests: Requests | None = None,
+                 parts: Parts | None = None):
+        config, parts = job.config, parts or ConfigParts()
         self.job, self.env, self.sync = job, env, sync
         self.logger = logger or NullLogger()
         self.requests = requests or NoRequests()
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
-        torch.manual_seed(config.train.seed)  # identical initial weights on every replica
-        model = self.precision.prepare_model(create_model_from_config(
-            config.model, job.tables.num_classes, with_pretrained=not job.resume_from))
+        model = self.precision.prepare_model(seeded_model(parts, job, config.train.seed))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         self.accumulation = Accumulation(config.train.accum_steps,
                                          self.train_data.steps_per_epoch())
         self.scaler = self.precision.grad_scaler()
         global_batch = config.train.batch_size * env.world_size * config.train.accum_steps
-        self.optimizer = build_optimizer(model, config.optim, global_batch,
-                                         fused=self.scaler is not None)
-        self.scheduler = build_scheduler(self.optimizer, config.optim,
-                                         self.accumulation.steps_per_epoch, config.train.epochs)
+        self.optimizer = parts.optimizer(model, job, global_batch, fused=self.precision.fused_step)
+        self.scheduler = parts.scheduler(self.optimizer, job, self.accumulation.steps_per_epoch)
         self.ema = build_ema(model, config.train.model_ema or config.run.use_ema,
                              config.train.model_ema_decay, config.train.model_ema_steps,
                              global_batch, config.train.epochs, config.optim.warmup_epochs,
                              self.accumulation.steps_per_epoch)
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
-        self.criterion = build_criterion(config.model, config.optim.label_smoothing)
+        self.criterion = CheckedLoss(parts.criterion(job), job.tables.num_classes)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
                                                       config.train.seed, env.rank, env.world_size)
         self.position = Position()
         self.best_top1 = -1.0
         self.epoch_sums = Tally(self.precision.device)
         self.interval = Tally(self.precision.device)
+        self.pace = Pace()
         self.skipped = SkippedLog(job.run_dir)
         if env.is_primary and not config.run.evaluate:
             preflight.check_room_for_checkpoints(job, model)
@@ -180,10 +183,10 @@ class Trainer:
         self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
         metrics: dict = {}
         while self.position.epoch < self.job.config.train.epochs:
-            started = time.perf_counter()
+            whole = self.position.epoch_step == 0  # not resumed in its middle
             if not self.train_epoch():
                 return Stopped(self.position.step)
-            metrics = self.end_epoch(started)
+            metrics = self.end_epoch(whole)
         return Finished(metrics)
 
     def open_pipelines(self) -> None:
@@ -202,15 +205,17 @@ class Trainer:
         epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
         steps = self.accumulation.steps_per_epoch
         size = self.image_size(epoch)
-        started = tick = time.perf_counter()
-        for batch, micro, last in self.accumulation.epoch(self.train_data, epoch,
-                                                          self.position.epoch_step):
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        self.pace.start_epoch()
+        for batch, micro, last in self.pace.batches(self.accumulation.epoch(
+                self.train_data, epoch, self.position.epoch_step)):
+            self.lr = lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
             loss = self.train_step(batch, micro, last)
             if (self.compiling and size not in self.compiled_sizes
                     and len(batch) == self.job.config.train.batch_size):
-                self.report_compile_time(step_started, size)
+                self.compiled_sizes.add(size)  # recorded at the step this batch belongs to
+                report_compile_time(step_started, self.precision.device, size, self.logger,
+                                    self.position.step + 1)
             self.interval.add(loss, len(batch), len(batch.skipped))
             self.skipped.add(epoch + 1, "train", batch.skipped)
             if not last:  # saves, stops and logs only between optimizer steps
@@ -220,9 +225,7 @@ class Trainer:
             if self.ema:
                 self.ema.after_step(self.position.epoch_step - 1, self.position.step)
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
-                now = time.perf_counter()
-                self.log_interval(lr, now - tick, now - started)
-                tick = now
+                self.log_interval(lr, self.pace.end_interval())
             action = self.requests.poll(self.env.rank, self.position.step)
             if action.save:
                 self.save()
@@ -264,36 +267,27 @@ class Trainer:
     def image_size(self, epoch: int) -> int:
         return self.job.resolution.train.at(epoch)
 
-    def report_compile_time(self, step_started: float, size: int) -> None:
-        """The first compiled step at each train size includes the compilation (about a minute
-        for a ResNet-50): worth a record of its own, with the count of compiled graphs (one
-        per region, mode and size, never one per step). Waits for the device once per size."""
-        self.compiled_sizes.add(size)
-        if self.precision.device.type == "cuda":
-            torch.cuda.synchronize(self.precision.device)
-        seconds = time.perf_counter() - step_started
-        graphs = compiled_graphs()
-        log.info("first compiled step at %d px (compilation included): %.1f s; compiled graphs "
-                 "so far: %d", size, seconds, graphs)
-        # recorded at the optimizer step this batch belongs to (counted after its last batch)
-        self.logger.log_metrics(self.position.step + 1, {"compile/first_step_s": seconds,
-                                                         "compile/graphs": graphs,
-                                                         "train/image_size": size})
-
-    def log_interval(self, lr: float, seconds: float, epoch_seconds: float) -> None:
+    def log_interval(self, lr: float, interval: Interval) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""
         images = self.interval.images
         loss = self.interval.loss_sum.item() / max(images, 1)
         self.interval.move_into(self.epoch_sums)
         self.logger.log_metrics(self.position.step, {
             "epoch": self.position.epoch + 1, "train/loss": loss, "train/lr": lr,
-            "train/images_per_sec": images * self.env.world_size / seconds,
+            "train/images_per_sec": images * self.env.world_size / interval.seconds,
+            "train/data_wait": interval.data_wait,
             "progress/epoch_step": self.position.epoch_step,
             "progress/epoch_steps": self.accumulation.steps_per_epoch,
-            "progress/epoch_time_s": epoch_seconds})
+            "progress/epoch_time_s": interval.epoch_seconds})
 
-    def end_epoch(self, started: float) -> dict:
+    def end_epoch(self, whole: bool) -> dict:
         """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics."""
+        data_wait = self.pace.epoch_data_wait()  # of the training, before the evaluation
+        trained_s = self.pace.epoch_seconds()  # a resumed epoch: since the resume
+        if self.env.is_primary and data_wait > INPUT_BOUND:
+            data = self.job.config.data
+            log.warning(input_bound_warning(self.position.epoch + 1, data_wait, data.workers,
+                                            resolve_decoder(data.decoder, self.precision.device)))
         self.interval.move_into(self.epoch_sums)
         loss_sum, images, skipped = self.sync.sum_across_workers(
             self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
@@ -307,9 +301,14 @@ class Trainer:
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
                    "train/images": int(images), "train/skipped": int(skipped),
+                   "train/epoch_lr": getattr(self, "lr", 0.0),  # its last step's
+                   "train/epoch_images_per_sec": images / trained_s,
                    "train/image_size": self.image_size(self.position.epoch - 1), **val}
         path = self.save(top1=self.best_of(metrics))
-        metrics["epoch/time_s"] = time.perf_counter() - started
+        metrics |= {"epoch/time_s": self.pace.end_epoch(whole), "epoch/data_wait": data_wait}
+        left = self.pace.remaining_s(self.job.config.train.epochs - self.position.epoch)
+        if left is not None:
+            metrics["run/remaining_s"] = left
         self.logger.log_metrics(self.position.step, metrics)
         every = self.job.config.logging.save_weights_every
         if path and every and self.position.epoch % every == 0:

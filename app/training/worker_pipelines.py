@@ -7,7 +7,7 @@ from __future__ import annotations
 from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.decoders import build_pipeline
 from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
-from app.data.sampler import ShardedBatches
+from app.data.windows import DEFAULT_WINDOW, batches_for
 from app.runtime.devices import WorkerEnv
 from app.training.job import TrainJob
 from app.training.precision import Precision
@@ -24,16 +24,17 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
     repetitions = augment.ra_reps if augment.ra_sampler else 1
     recipe = TrainRecipe.for_sizes(job.resolution.train, auto_augment=augment.auto_augment,
                                    ra_magnitude=augment.ra_magnitude)
+    window = job.root.options.get("window", DEFAULT_WINDOW)  # shard layouts only
     train = PipelineSpec(job.root, job.tables.train, recipe,
-                         ShardedBatches(len(job.tables.train), batch_size, rank=env.rank,
-                                        world_size=env.world_size, seed=config.train.seed,
-                                        repetitions=repetitions),
+                         batches_for(job.tables.train, batch_size, window, rank=env.rank,
+                                     world_size=env.world_size, seed=config.train.seed,
+                                     repetitions=repetitions),
                          workers, form)
     sizes = job.resolution
     val = PipelineSpec(job.root, job.tables.val, EvalRecipe(sizes.val_crop,
                                                             sizes.val_crop_fraction),
-                       ShardedBatches(len(job.tables.val), batch_size, rank=env.rank,
-                                      world_size=env.world_size, shuffle=False),
+                       batches_for(job.tables.val, batch_size, window, rank=env.rank,
+                                   world_size=env.world_size, shuffle=False),
                        workers, form)
     options = {"hw_decoder_load": config.data.hw_decoder_load}
     trained = build_pipeline(config.data.decoder, train, **options)

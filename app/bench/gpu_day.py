@@ -1,0 +1,168 @@
+"""`bin/bench.py gpu-day`: every GPU figure in one call, for the rare, brief loan of a GPU
+machine. A runner of parts (app/bench/gpu_day_parts.py: adding one is one entry in a list),
+run in their order of value, each in a process group of its own with its own deadline, cut
+shorter when the call's budget runs low. As each part ends (finished, failed or killed at its
+deadline) its report is written: `<part>.json` (outcome, seconds, command, the figures it
+produced, its log's tail) beside `<part>.log`, and `summary.md` is rewritten with every part so
+far. A call cut short therefore returns whatever finished; no part can hold up the ones after it.
+
+Only small files go to the output folder (a device call brings it back); caches, the generated
+sample and run folders go to the work folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+GRACE_S = 10.0  # between SIGTERM and SIGKILL for a part past its deadline
+MIN_PART_S = 5.0  # a part is not started with less budget than this left
+LOG_TAIL = 3000  # characters of a part's log kept in its report
+
+
+@dataclass(frozen=True)
+class Paths:
+    out: Path  # reports: small files only
+    work: Path  # caches, samples, run folders
+
+    def report(self, part: str) -> Path:
+        """Where a part that writes JSON figures writes them."""
+        return self.out / f"{part}.report.json"
+
+
+def read_report(paths: Paths, part: str) -> dict | None:
+    path = paths.report(part)
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except json.JSONDecodeError:  # cut off while writing it
+        return None
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    what: str  # one line for the summary
+    deadline_s: float
+    command: Callable[[Paths], list[str]]  # argv, run in the repository
+    # the part's figures once it ended: by default the JSON its command wrote
+    collect: Callable[[Paths, str], dict | None] = read_report
+    summary: Callable[[dict], list[str]] = lambda figures: []  # markdown lines of figures
+    env: dict[str, str] = field(default_factory=dict)  # on top of the runner's environment
+
+
+def run_command(command: list[str], log: Path, deadline_s: float, env: dict[str, str]
+                ) -> tuple[int | None, str]:
+    """(exit code or None, how it ended): the command in a new process group, killed with
+    everything it started once `deadline_s` passes."""
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True)
+        try:
+            return process.wait(timeout=deadline_s), "ended"
+        except subprocess.TimeoutExpired:
+            stop_group(process)
+            return None, f"killed at its deadline ({deadline_s:.0f} s)"
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the part's whole process group (a driver saves and stops its workers),
+    SIGKILL to whatever of it is left after GRACE_S."""
+    signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(process.pid, signal.SIGKILL)  # stragglers of the group, or its leader
+    try:
+        process.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:  # stuck in the kernel: reported, left behind
+        pass
+
+
+def signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:  # nothing of the group is left
+        pass
+
+
+def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -> dict:
+    log = paths.out / f"{part.name}.log"
+    command = part.command(paths)
+    started = time.monotonic()
+    code, ending = run_command(command, log, deadline_s, {**env, **part.env})
+    seconds = time.monotonic() - started
+    try:
+        figures = part.collect(paths, part.name)
+    except Exception as error:  # noqa: BLE001 (a part's odd output must not end the runner)
+        figures = {"collect_error": f"{type(error).__name__}: {error}"}
+    status = "ok" if code == 0 else (ending if code is None else f"failed (exit {code})")
+    return {"name": part.name, "what": part.what, "status": status, "exit_code": code,
+            "seconds": round(seconds, 1), "deadline_s": round(deadline_s, 1),
+            "command": command, "log": log.name, "figures": figures,
+            "log_tail": log.read_text(errors="replace")[-LOG_TAIL:]}
+
+
+def not_run(part: Part, left_s: float) -> dict:
+    return {"name": part.name, "what": part.what, "seconds": 0.0,
+            "status": f"not run: {left_s:.0f} s of the budget left", "figures": None}
+
+
+def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str],
+              title: str = "gpu-day") -> list[dict]:
+    """Each part in order within what is left of `budget_s`; every report written as its part
+    ends."""
+    paths.out.mkdir(parents=True, exist_ok=True)
+    paths.work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    outcomes: list[dict] = []
+    for part in parts:
+        left = budget_s - (time.monotonic() - started)
+        outcome = run_part(part, paths, min(part.deadline_s, left), env) \
+            if left >= MIN_PART_S else not_run(part, left)
+        outcomes.append(outcome)
+        (paths.out / f"{part.name}.json").write_text(json.dumps(outcome, indent=2))
+        write_summary(paths.out / "summary.md", title, budget_s, parts, outcomes)
+    return outcomes
+
+
+def write_summary(path: Path, title: str, budget_s: float, parts: list[Part],
+                  outcomes: list[dict]) -> None:
+    """summary.md: a table of the parts so far, then each finished part's figures."""
+    spent = sum(o["seconds"] for o in outcomes)
+    lines = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M')}: {spent:.0f} s of {budget_s:.0f} s",
+             "", "| part | what | status | seconds |", "| --- | --- | --- | --- |"]
+    lines += [f"| {o['name']} | {o['what']} | {o['status']} | {o['seconds']:.0f} |"
+              for o in outcomes]
+    summaries = {part.name: part.summary for part in parts}
+    for outcome in outcomes:
+        if outcome["figures"]:
+            lines += ["", f"## {outcome['name']}", ""]
+            try:
+                lines += summaries[outcome["name"]](outcome["figures"])
+            except Exception as error:  # noqa: BLE001 (the figures stay in <part>.json)
+                lines.append(f"(figures in {outcome['name']}.json; summary failed: {error})")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def part_environment(paths: Paths) -> dict[str, str]:
+    """What every part shares: compile caches in the work folder (a later part reuses what the
+    first one compiled), the generated sample there unless a cache is set, unbuffered output
+    (a killed part's log still holds its last lines)."""
+    cache = paths.work / "compile-cache"
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TRITON_CACHE_DIR": str(cache / "triton"), "PYTHONUNBUFFERED": "1",
+            "IMAGENET_DP_CACHE": os.environ.get("IMAGENET_DP_CACHE",
+                                                str(paths.work / "samples"))}
+
+
+def format_report(report: dict) -> str:
+    return "\n".join(f"{o['name']:<16}{o['status']:<40}{o['seconds']:>7.0f} s"
+                     for o in report["parts"]) + f"\nsummary: {report['summary']}"

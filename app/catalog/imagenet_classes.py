@@ -1,0 +1,28 @@
+"""ImageNet-1k's 1,000 classes in their standard order (sorted wnids, the index every ImageNet
+model and the shard copies use) with their words, for datasets that carry only class indices.
+
+The table is timm's (`timm/data/_info/`: imagenet_synsets.txt and the words of each synset),
+read as files: importing timm would import torch, which the catalog never does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+from app.runtime.errors import UserError
+
+
+@functools.cache
+def wnids_and_words() -> tuple[list[str], list[str]]:
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("ImageNet-1k's class names come from timm, which is not installed; "
+                        "pip install -r requirements.txt, or put LOC_synset_mapping.txt "
+                        "beside the shards")
+    folder = Path(spec.submodule_search_locations[0]) / "data" / "_info"
+    wnids = (folder / "imagenet_synsets.txt").read_text().split()
+    words = dict(line.split("\t", 1) for line in
+                 (folder / "imagenet_synset_to_lemma.txt").read_text().splitlines() if "\t" in line)
+    return wnids, [words.get(wnid, "") for wnid in wnids]

@@ -1,0 +1,198 @@
+"""bin/make_shards.py: any catalog entry (Kaggle, ImageFolder; local, S3, any URL) written as
+shards in the forms the shard layouts read (app/catalog/shards.py), Hugging Face's own:
+
+- wds: `imagenet1k-{train,validation}-NNNN.tar` with `KEY.jpg` (the image's bytes as they are:
+  nothing is re-encoded), `KEY.cls` (the class index) and `KEY.json` per sample, and
+  `_info.json` with each split's shards and their sample counts (timm's form);
+- parquet: `data/{train,validation}-NNNNN-of-NNNNN.parquet` with `image` = struct<bytes, path>
+  and `label` (int64), and the `datasets` library's feature metadata (Image, ClassLabel).
+
+The class index is the entry's label (its LOC_synset_mapping.txt order: for ImageNet the sorted
+wnids), and LOC_synset_mapping.txt is written beside the shards, so their classes keep their
+names. Samples are shuffled across shards with a fixed seed (as Hugging Face's copies are), so
+every window of shards holds a mix of classes. The plan (order, samples per shard) is a
+function of the dataset and the arguments, written first: a killed run, started again with
+the same arguments, keeps the shards it finished and writes the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from app.catalog.catalog import Catalog
+from app.catalog.labels import SYNSET_MAPPING
+from app.catalog.shard_index import index_tar
+from app.catalog.shards import INFO_FILE, INFO_SPLITS
+from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
+from app.catalog.tables import load_tables
+from app.runtime.errors import UserError, first_line
+from app.runtime.files import atomic_path, write_atomically
+
+log = logging.getLogger("imagenet_dp")
+PLAN_FILE = ".make_shards.json"
+READ_BATCH = 64  # images read at once (concurrently on object stores)
+SIZE_PROBE = 256  # images whose mean size sets the samples per shard
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+         "GIB": 2**30}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="make_shards.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="folder to write the shards into (a local path)")
+    parser.add_argument("--dataset", default="", help="catalog entry to read (default: the "
+                        "catalog's default)")
+    parser.add_argument("--catalog", default="datasets.toml", help="the dataset catalog")
+    parser.add_argument("--format", choices=SHARD_LAYOUTS, default="wds",
+                        help="wds: timm/imagenet-1k-wds's tars; parquet: imagenet-1k's files")
+    parser.add_argument("--shard-size", default="1GB", help="bytes of images per shard "
+                        "(e.g. 500MB, 1GB, 1GiB)")
+    parser.add_argument("--seed", type=int, default=0, help="the shuffle across shards")
+    args = parser.parse_args(argv)
+    root = Catalog.load(args.catalog).open(args.dataset, report=log.info)
+    if root.layout in SHARD_LAYOUTS:
+        raise UserError(f"dataset '{root.name}' is already shards ({root.layout}); name an "
+                        "entry of files (Kaggle or ImageFolder layout)")
+    write_shards(root, Path(args.out), args.format, parse_size(args.shard_size), args.seed)
+    return 0
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].upper() not in UNITS:
+        raise UserError(f"--shard-size {text!r}: expected a number and a unit (KB, MB, GB, "
+                        "MiB, GiB), e.g. 1GB")
+    return max(1, int(float(match[1]) * UNITS[match[2].upper()]))
+
+
+def write_shards(root: DatasetRoot, out: Path, layout: str, shard_bytes: int, seed: int) -> None:
+    tables = load_tables(root)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {"train": tables.train, "val": tables.val}
+    plan = {"dataset": root.url, "format": layout, "seed": seed, "shard_bytes": shard_bytes,
+            "splits": {split: plan_split(root, frame, shard_bytes, seed)
+                       for split, frame in splits.items()}}
+    check_plan(out, plan)
+    write_atomically(out / SYNSET_MAPPING, "".join(
+        f"{wnid} {words}\n" for wnid, words in zip(tables.wnids, tables.descriptions)))
+    names = {split: shard_names(layout, split, len(plan["splits"][split]["shards"]))
+             for split in splits}
+    total = sum(len(frame) for frame in splits.values())
+    with tqdm(total=total, unit="img", desc=f"writing {layout} shards") as progress:
+        for split, frame in splits.items():
+            for name, rows in zip(names[split], plan["splits"][split]["shards"]):
+                if not (out / name).exists():  # finished by an earlier run: kept
+                    write_shard(root, frame.iloc[rows], out / name, layout, tables.wnids)
+                progress.update(len(rows))
+    if layout == "wds":
+        write_info(out, names)
+    log.info("wrote %s shards of '%s' to %s", layout, root.name, out)
+
+
+def plan_split(root: DatasetRoot, frame: pd.DataFrame, shard_bytes: int, seed: int) -> dict:
+    """The split's rows in the seeded order, dealt into shards of about `shard_bytes` (from the
+    mean size of the first images of that order)."""
+    order = np.random.default_rng(seed).permutation(len(frame))
+    probe = [len(data) for data, _ in read_images(root, frame.path.iloc[order[:SIZE_PROBE]])
+             if data is not None]
+    per_shard = max(1, int(shard_bytes // max(1.0, float(np.mean(probe or [1])))))
+    return {"per_shard": per_shard, "shards": [order[i:i + per_shard].tolist()
+                                               for i in range(0, len(order), per_shard)]}
+
+
+def check_plan(out: Path, plan: dict) -> None:
+    path = out / PLAN_FILE
+    if path.exists() and json.loads(path.read_text()) != plan:
+        raise UserError(f"{out} holds shards of another dataset or other arguments "
+                        f"({path}); write into an empty folder, or repeat that run's arguments")
+    write_atomically(path, json.dumps(plan))
+
+
+def shard_names(layout: str, split: str, count: int) -> list[str]:
+    name = INFO_SPLITS[split]
+    if layout == "wds":
+        return [f"imagenet1k-{name}-{i:04d}.tar" for i in range(count)]
+    return [f"data/{name}-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
+
+
+def read_images(root: DatasetRoot, paths: pd.Series):
+    """(bytes, path) per image, READ_BATCH at a time through fsspec's batched cat (concurrent on
+    object stores); (None, path) for one that cannot be read."""
+    paths = list(paths)
+    for first in range(0, len(paths), READ_BATCH):
+        batch = paths[first:first + READ_BATCH]
+        found = root.fs.cat([root.path(p) for p in batch], on_error="return")
+        if not isinstance(found, dict):
+            found = {root.path(batch[0]): found}
+        for path in batch:
+            data = found.get(root.fs._strip_protocol(root.path(path)),  # noqa: SLF001
+                             found.get(root.path(path)))
+            yield (data if isinstance(data, bytes) else None), path
+
+
+def write_shard(root: DatasetRoot, frame: pd.DataFrame, target: Path, layout: str,
+                wnids: list[str]) -> None:
+    samples = []
+    for (data, path), label in zip(read_images(root, frame.path), frame.label):
+        if data is None:
+            log.warning("left out %s: it cannot be read", root.describe(path))
+            continue
+        samples.append((Path(path).name, data, int(label)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as temporary:
+        (write_tar if layout == "wds" else write_parquet)(temporary, samples, wnids)
+
+
+def write_tar(path: Path, samples: list[tuple[str, bytes, int]], wnids: list[str]) -> None:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for file_name, data, label in samples:
+            key = file_name.rsplit(".", 1)[0]
+            meta = {"filename": file_name, "label": label, "wnid": wnids[label]}
+            for extension, payload in (("jpg", data), ("cls", f"{label}".encode()),
+                                       ("json", json.dumps(meta).encode())):
+                member = tarfile.TarInfo(f"{key}.{extension}")
+                member.size, member.mode = len(payload), 0o644
+                tar.addfile(member, io.BytesIO(payload))
+
+
+def parquet_schema(wnids: list[str]):
+    import pyarrow as pa  # noqa: PLC0415
+    features = {"image": {"_type": "Image"},
+                "label": {"_type": "ClassLabel", "names": list(wnids)}}
+    return pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      ("label", pa.int64())],
+                     metadata={"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def write_parquet(path: Path, samples: list[tuple[str, bytes, int]], wnids: list[str]) -> None:
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+    table = pa.table({"image": [{"bytes": data, "path": name} for name, data, _ in samples],
+                      "label": [label for _, _, label in samples]}, schema=parquet_schema(wnids))
+    # JPEG bytes do not compress; row groups of ~100 images keep a reader's memory small
+    pq.write_table(table, path, row_group_size=100, compression="none")
+
+
+def write_info(out: Path, names: dict[str, list[str]]) -> None:
+    splits = {}
+    for split, shards in names.items():
+        try:
+            lengths = [len(index_tar(out / name, str(out / name))) for name in shards]
+        except UserError as error:
+            raise UserError(f"{first_line(error, 300)}; delete it and run again") from None
+        splits[INFO_SPLITS[split]] = {"name": INFO_SPLITS[split], "filenames": shards,
+                                      "shard_lengths": lengths, "num_samples": sum(lengths)}
+    write_atomically(out / INFO_FILE, json.dumps({"name": "imagenet-1k", "splits": splits},
+                                                 indent=1))
+
+
+

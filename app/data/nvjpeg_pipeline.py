@@ -1,0 +1,152 @@
+"""The nvJPEG input pipeline: nothing to install beyond torch and torchvision. Loader processes
+read each batch's bytes and plan every image (app/data/encoded.py); the training process
+decodes the batch's JPEGs in one call of torchvision's `decode_jpeg(list, device=...)` (nvJPEG
+on a GPU, libjpeg-turbo on a CPU: the same code, which is how the tests cover it), then crops,
+resizes (antialiased bilinear, Pillow's filter), flips and auto-augments each image there with
+torchvision's functional ops, from the same plan as the other decoders.
+
+Bad data never ends a run: what the loader could not read or found truncated comes as skipped;
+should nvJPEG refuse a batch (it fails it whole), each of its images is decoded alone, and one
+that nvJPEG still refuses (an unusual chroma subsampling, a corrupt stream) is decoded by
+Pillow from the same bytes and plan, or skipped and reported when Pillow refuses it too.
+
+On a GPU the decode call runs with a stream of its own as the current stream, and the training
+stream waits for it (an event, no host wait): torchvision takes its outputs' memory from the
+current stream's pool and writes them from its decoder's stream without ordering the two, so
+that pool holds nothing but decoded images, each marked as used by the training stream, and a
+block is handed out again only once the work that read it is done. The crops, resizes and ops
+then queue on the training stream. The host does wait for the decode itself (torchvision
+synchronises its decoder's stream before returning): that time counts as data wait in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as F
+
+from app.data.augment import Plan
+from app.data.decode import BadImage, open_image, to_rgb
+from app.data.device import ToDevice
+from app.data.encoded import EncodedBatch, EncodedDataset, collate_encoded
+from app.data.image_ops import apply_ops
+from app.data.pillow_pipeline import PillowPipeline, apply_plan_on_pil
+from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
+
+log = logging.getLogger("imagenet_dp")
+
+
+def decode_jpegs(jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """(3, H, W) uint8 images on `device`, None where the decoder refused one: the batch in
+    one call, and image by image only when that call fails."""
+    if not jpegs:
+        return []
+    # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not a dependency here)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            return [_decode_one(jpeg, device) for jpeg in jpegs]
+
+
+def _decode_one(jpeg: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    try:
+        return decode_jpeg([jpeg], mode=ImageReadMode.RGB, device=device)[0]
+    except RuntimeError:
+        return None
+
+
+def carry_out(image: torch.Tensor, plan: Plan, size: int) -> torch.Tensor:
+    """An image's plan on a (3, H, W) uint8 tensor -> (3, size, size) uint8."""
+    top, left, h, w = plan.box
+    out = F.resize(image[:, top:top + h, left:left + w], [size, size],
+                   interpolation=InterpolationMode.BILINEAR, antialias=True)
+    if plan.flip:
+        out = F.horizontal_flip(out)
+    return apply_ops(out, plan.ops)
+
+
+class DeviceDecoder:
+    """An EncodedBatch -> a DeviceBatch, decoded and augmented on the training device."""
+
+    def __init__(self, to_device: ToDevice):
+        self.to_device = to_device
+        self.device = to_device.form.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __call__(self, batch: EncodedBatch) -> DeviceBatch:
+        """The batch's images in its order: the JPEGs decoded here, the images Pillow did in
+        the loader moved here; those nothing could decode dropped and reported."""
+        done = iter(batch.pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2))
+        made = iter(self.decode(batch))
+        images, kept, skipped = [], [], list(batch.skipped)
+        for index, on_device in enumerate(batch.on_device):
+            image = next(made) if on_device else next(done)
+            if isinstance(image, Skipped):
+                skipped.append(image)
+                continue
+            images.append(image)
+            kept.append(index)
+        labels = batch.labels
+        if len(kept) < len(labels):  # pinned again, so the copy below stays asynchronous
+            labels = labels[kept].pin_memory() if self.stream else labels[kept]
+        stacked = torch.stack(images) if images else \
+            torch.empty(0, 3, 0, 0, dtype=torch.uint8, device=self.device)
+        return DeviceBatch(self.to_device.normalise(stacked),
+                           labels.to(self.device, non_blocking=True), skipped)
+
+    def decode(self, batch: EncodedBatch) -> list[torch.Tensor | Skipped]:
+        """Each JPEG decoded and its plan carried out, or why not."""
+        jpegs = list(torch.split(batch.data, batch.lengths)) if batch.lengths else []
+        out = []
+        for jpeg, image, plan, path in zip(jpegs, self.decode_on_device(jpegs), batch.plans,
+                                           batch.paths):
+            if image is None:
+                out.append(self.with_pillow(jpeg, plan, batch.size, path))
+            else:
+                out.append(carry_out(image, plan, batch.size))
+        return out
+
+    def decode_on_device(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """decode_jpegs, ordered before the training stream's work (see the module's
+        docstring)."""
+        if self.stream is None:
+            return decode_jpegs(jpegs, self.device)
+        with torch.cuda.stream(self.stream):
+            images = decode_jpegs(jpegs, self.device)
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_stream(self.stream)
+        for image in images:
+            if image is not None:
+                image.record_stream(consumer)
+        return images
+
+    def with_pillow(self, jpeg: torch.Tensor, plan: Plan, size: int, path: str
+                    ) -> torch.Tensor | Skipped:
+        """What the Pillow path makes of an image the device decoder refused."""
+        try:
+            pixels = apply_plan_on_pil(to_rgb(open_image(jpeg.numpy().tobytes())), plan, size)
+        except BadImage as error:
+            return Skipped(path, str(error))
+        log.info("nvJPEG could not decode %s; Pillow did", path)
+        return pixels.to(self.device).permute(2, 0, 1)
+
+
+class NvjpegPipeline(PillowPipeline):
+    """The Pillow pipeline's loader processes and order, bytes instead of pixels out of them,
+    and the decode on the device."""
+    dataset_type = EncodedDataset
+    collate_fn = staticmethod(collate_encoded)
+
+    def __init__(self, spec: PipelineSpec):
+        super().__init__(spec)
+        self.decoder = DeviceDecoder(self.to_device)
+
+    def on_device(self, batch: EncodedBatch) -> DeviceBatch:
+        return self.decoder(batch)
+

@@ -1,0 +1,64 @@
+"""The order of a sharded dataset's samples (the wds and parquet layouts): a function of
+(seed, epoch) only, so everything ShardedBatches guarantees still holds.
+
+Per epoch a seeded permutation of the shards, cut into windows of W consecutive shards; within
+a window a seeded permutation of the window's samples; the windows one after another. Every
+sample is taken once per epoch. Step k is then the k-th global batch of that sequence and
+rank r takes its r-th contiguous part (ShardedBatches.items), so N workers x batch b see what
+one worker with batch N*b sees, a run resumes mid-epoch from its step count alone, and every
+rank of a machine reads the shards of the same window: the machine's shared cache fetches
+them once (app/catalog/shard_store.py) and a window ahead (app/data/shard_reader.py).
+
+W trades shuffle quality for disk: samples mix only within a window, and the cache holds
+three windows (the previous, the current and the next). Evaluation reads the shards in
+order, in windows too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.data.sampler import ShardedBatches
+
+DEFAULT_WINDOW = 16  # shards: 3 windows of timm's ImageNet tars (~140 MB each) are ~7 GB
+SHARD_ORDER = 0x5A4D  # tells the shard permutation's stream apart from the windows'
+
+
+class WindowedBatches(ShardedBatches):
+    def __init__(self, shards: np.ndarray, batch_size: int, *, window: int = DEFAULT_WINDOW,
+                 **options):
+        """`shards`: each row's shard position, rows grouped by shard in ascending order."""
+        super().__init__(len(shards), batch_size, **options)
+        counts = np.bincount(shards) if len(shards) else np.zeros(0, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        self.shard_count = len(counts)
+        self.window = max(1, window)
+
+    def shard_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.shard_count)
+        return np.random.default_rng([self.seed, epoch, SHARD_ORDER]).permutation(
+            self.shard_count)
+
+    def windows(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's windows, each an array of shard positions."""
+        order = self.shard_order(epoch)
+        return [order[first:first + self.window] for first in range(0, len(order), self.window)]
+
+    def rows_of(self, shards: np.ndarray) -> np.ndarray:
+        ranges = [np.arange(self.starts[s], self.starts[s + 1]) for s in shards]
+        return np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        parts = [np.random.default_rng([self.seed, epoch, number]).permutation(self.rows_of(shards))
+                 for number, shards in enumerate(self.windows(epoch))]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def batches_for(frame, batch_size: int, window: int = DEFAULT_WINDOW, **options
+                ) -> ShardedBatches:
+    """The batches of a split: windows of shards where the frame's rows are shards' samples
+    (a `shard` column), else a plain permutation of the images."""
+    if "shard" in frame:
+        return WindowedBatches(frame.shard.to_numpy(), batch_size, window=window, **options)
+    return ShardedBatches(len(frame), batch_size, **options)

@@ -1,0 +1,216 @@
+"""Replicas as threads of one process: a thread per device, and the parameter server's
+`syncgrads` loop as one more thread (the seeds' "task based" single-node mode).
+
+The protocol and the averaging are the parameter server's own (ps_server.py, ps_worker.py):
+only the transport differs. Queues are `queue.Queue`s, so nothing is pickled (a model, loss
+or schedule defined in a notebook trains) and the buckets are the replicas' own tensors, read
+and written in place by the server thread. Threads cannot be killed: a replica that fails, or
+a stop that cannot wait, sets an `Abort` that ends every wait of the others within POLL_S
+(app/parallel/watch.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from app.config import ParallelConfig
+from app.parallel import GradientSync, LocalSync
+from app.parallel.launcher import Stopping, StopSignals
+from app.parallel.ps_server import ServerLinks, run_server
+from app.parallel.watch import Abort, SyncFailure, Watch
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Interval, SharedRequests
+
+
+@dataclass(frozen=True)
+class ThreadsPlan:
+    """What each replica thread connects through: the server thread's queues."""
+    links: ServerLinks | None  # None: a single replica, nothing to agree on
+    config: ParallelConfig
+    requests: SharedRequests
+    abort: Abort
+
+    def connect(self, env: WorkerEnv) -> GradientSync:
+        if self.links is None:
+            return LocalSync()
+        from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
+        watch = Watch(timeout_s=self.config.sync_timeout, abort=self.abort)
+        return ParameterServerSync(self.links, env, watch, self.config.bucket_mb,
+                                   self.config.check_every)
+
+
+def in_process_requests(replicas: int) -> SharedRequests:
+    """The driver's save/stop agreement, between threads. Made with the fork context only for
+    its primitives: fork unlinks a semaphore's name at once, where spawn's would start
+    multiprocessing's resource tracker, a process left behind. Nothing is forked."""
+    return SharedRequests(multiprocessing.get_context("fork"), replicas)
+
+
+@dataclass
+class Member:
+    """A thread of the group, and how it ended."""
+    name: str
+    thread: threading.Thread
+    result: Any = None
+    error: BaseException | None = None
+
+    @property
+    def failed_first(self) -> bool:
+        """Failed for a reason of its own, not because it noticed another one's failure."""
+        return self.error is not None and not (isinstance(self.error, SyncFailure)
+                                               and self.error.noticed_only)
+
+
+@dataclass
+class ThreadGroup:
+    """The replica threads and the server thread, started together."""
+    members: list[Member] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)
+    order: list[Member] = field(default_factory=list)  # in the order they ended
+
+    def add(self, name: str, target: Callable, args: tuple) -> Member:
+        member = Member(name, threading.Thread(name=name, daemon=True))
+        member.thread.run = lambda: self._run(member, target, args)  # type: ignore[method-assign]
+        self.members.append(member)
+        return member
+
+    def _run(self, member: Member, target: Callable, args: tuple) -> None:
+        try:
+            member.result = target(*args)
+        except BaseException as error:  # noqa: BLE001 (handed to the caller's thread)
+            member.error = error
+        finally:
+            self.order.append(member)
+            self.ended.set()
+
+    def start(self) -> None:
+        for member in self.members:
+            member.thread.start()
+
+    def running(self) -> list[Member]:
+        return [m for m in self.members if m.thread.is_alive()]
+
+    def first_failure(self) -> Member | None:
+        """The member whose failure came first and was its own, else the first that failed."""
+        failed = [m for m in self.order if m.error is not None]
+        own = [m for m in failed if m.failed_first]
+        return (own or failed or [None])[0]
+
+
+def start_group(target: Callable, job: Any, devices: list[str], config: ParallelConfig,
+                requests: SharedRequests, abort: Abort) -> ThreadGroup:
+    """`target(job, env, plan, cpu_replicas)` in a thread per device, and, for more than one,
+    the server thread."""
+    group = ThreadGroup()
+    links = None
+    if len(devices) > 1:
+        links = ServerLinks(queue.Queue(), [queue.Queue() for _ in devices])
+        group.add("parameter server (thread)", run_server,
+                  (links, config.sync_timeout, None, abort))
+    plan = ThreadsPlan(links, config, requests, abort)
+    cpu_replicas = devices.count("cpu")
+    for rank, device in enumerate(devices):
+        env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
+        group.add(replica_name(rank, device), target, (job, env, plan, cpu_replicas))
+    group.start()
+    return group
+
+
+def replica_name(rank: int, device: str) -> str:
+    return f"replica {rank} ({device})"
+
+
+TICK_S = 0.1  # how often the caller's thread looks at the group, its signals and its on_tick
+ABORT_GRACE_S = 30.0  # an aborted replica ends at its next wait: at most a step away
+
+
+def run_threads(target: Callable, job: Any, devices: list[str], config: ParallelConfig,
+                stopping: Stopping = Stopping(), on_tick: Callable[[], None] = lambda: None
+                ) -> int:
+    """The counterpart of launcher.launch for threads: run the group and watch it from the
+    caller's thread, calling `on_tick` every TICK_S (the Python API delivers the primary
+    replica's log records there). SIGINT/SIGTERM/SIGUSR1 (a notebook's interrupt is SIGINT)
+    ask every replica to save and stop after the same step; a second one, or --stop-timeout,
+    stops them at their next wait without a checkpoint. Returns 0, PREEMPTED_EXIT_CODE, or
+    128 + the signal; a replica's own error is raised here, naming the replica."""
+    requests, abort = in_process_requests(len(devices)), Abort()
+    cpu_threads = torch.get_num_threads()  # each CPU replica sets its share in its thread
+    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
+    try:
+        group = start_group(target, job, devices, config, requests, abort)
+        try:
+            watch_group(group, requests, abort, stopping, signals, on_tick)
+        except BaseException:  # the caller's own failure (a logger, a second Ctrl-C): end all
+            abort.set("stopped: the caller failed")
+            for member in group.members:
+                member.thread.join(ABORT_GRACE_S)
+            raise
+    finally:
+        if signals:
+            signals.restore()
+        torch.set_num_threads(cpu_threads)
+    return outcome(group, signals, abort)
+
+
+def watch_group(group: ThreadGroup, requests: SharedRequests, abort: Abort, stopping: Stopping,
+                signals: StopSignals | None, on_tick: Callable[[], None]) -> None:
+    interval = Interval(stopping.checkpoint_interval)
+    deadline = aborted_at = None
+    while group.running():
+        group.ended.wait(TICK_S)
+        group.ended.clear()
+        on_tick()
+        failure = group.first_failure()
+        if failure and not abort.is_set():
+            abort.set(f"stopped: {failure.name} failed")
+        now = time.monotonic()
+        if signals and signals.received and deadline is None:
+            step = requests.ask(stop=True)  # None until every replica trains: asked again
+            if step is not None:
+                deadline = now + stopping.stop_timeout
+                print(f"{signals.name()}: saving a checkpoint after step {step}, then "
+                      "stopping (interrupt again to stop at once)", file=sys.stderr)
+        if signals and (signals.count > 1 or (deadline and now > deadline)):
+            abort.set(f"stopped by {signals.name()} without a new checkpoint")
+        if abort.is_set():
+            aborted_at = aborted_at or now
+            if now - aborted_at > ABORT_GRACE_S:
+                names = ", ".join(m.name for m in group.running())
+                raise SyncFailure(f"{names} did not stop within {ABORT_GRACE_S:.0f} s of "
+                                  f"'{abort.reason}' (left running as daemon threads)")
+        elif deadline is None and interval.due():
+            requests.ask(stop=False)
+    on_tick()
+
+
+def outcome(group: ThreadGroup, signals: StopSignals | None, abort: Abort) -> int:
+    failure = group.first_failure()
+    if failure and failure.failed_first:
+        raise_in_caller(failure)
+    if abort.is_set() and signals and signals.received:
+        print(f"{abort.reason}: ended all {len(group.members)} threads", file=sys.stderr)
+        return 128 + signals.received
+    if failure:
+        raise_in_caller(failure)
+    codes = {member.result for member in group.members}
+    return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else 0
+
+
+def raise_in_caller(member: Member) -> None:
+    """The replica's own exception, naming the replica: a UserError stays one line."""
+    error = member.error
+    if isinstance(error, UserError):
+        raise UserError(f"{member.name}: {error}") from None
+    if isinstance(error, SyncFailure):
+        raise type(error)(f"{member.name}: {error}") from None
+    error.add_note(f"(raised in {member.name}; every other replica was stopped)")
+    raise error

@@ -1,0 +1,208 @@
+"""The Python API (app.prepare_training, app.train) on CPU: replicas in threads and in
+processes compute what one replica with the whole batch does; an interrupt saves, returns and
+resumes exactly; a failing replica stops the others; bad arguments are one line each, before
+any thread starts."""
+
+import io
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import app
+from app.runtime.errors import UserError
+from app.training import checkpoint
+from conftest import REPO
+
+TABLE = "LOC_train_solution.csv"  # 141 images of the tiny sample: a short last step
+
+
+class TinyNet(nn.Module):
+    """GroupNorm, independent of how a batch is split across replicas."""
+
+    def __init__(self, classes: int = 10, width: int = 8):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1), nn.GroupNorm(2, width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.GroupNorm(2, 2 * width),
+            nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, images):
+        return self.head(self.features(images))
+
+
+@pytest.fixture(scope="module")
+def tiny(sample_cache):
+    return app.open_catalog(REPO / "datasets.toml").dataset("sample_tiny")
+
+
+def setup_of(tiny, tmp_path, devices, batch_size, name, parallel="threads", **knobs):
+    torch.manual_seed(0)  # the same initial weights for every run
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    return app.prepare_training(model, tiny.solutions(TABLE), devices=devices,
+                                optimizer=optimizer, batch_size=batch_size, image_size=32,
+                                parallel=parallel, workers=0, output_dir=str(tmp_path),
+                                run_name=name, **knobs)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in a)
+    return float((num / sum((a[k].double() ** 2).sum() for k in a)).sqrt())
+
+
+EXACT = {"epochs": 1, "dtype": "float64", "check_every": 1, "print_freq": 100}
+
+
+def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_path):
+    """As tests/test_parallel.py's driver test: 2 x 5 images per step compute what 1 x 10
+    does (--check-every 1: the replicas were compared after every step)."""
+    runs = {}
+    for name, devices, batch, parallel in [("one", ["cpu"], 10, "threads"),
+                                           ("threads", ["cpu", "cpu"], 5, "threads"),
+                                           ("processes", ["cpu", "cpu"], 5, "processes")]:
+        setup = setup_of(tiny, tmp_path, devices, batch, name, parallel, **EXACT)
+        history = app.train(setup, loss=nn.CrossEntropyLoss(), logger=[])
+        assert list(history.epoch) == [1]
+        assert checkpoint.load(setup.run_dir / "checkpoints" / "last.pt")["step"] == 15
+        runs[name] = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    assert runs["one"]["head.weight"].dtype == torch.float32  # the caller's model, as it was
+    assert relative_difference(runs["one"], runs["threads"]) < 1e-9
+    assert relative_difference(runs["one"], runs["processes"]) < 1e-9
+    # the same averaging code in the same order: threads and processes agree bit for bit
+    assert all(torch.equal(runs["threads"][k], runs["processes"][k]) for k in runs["one"])
+    torch.manual_seed(0)
+    assert relative_difference(runs["one"], TinyNet().state_dict()) > 1e-2  # it trained
+
+
+def slow_loss(logits, targets):
+    """Steps at a real model's pace rather than as fast as a tiny one can."""
+    time.sleep(0.02)
+    return nn.functional.cross_entropy(logits, targets)
+
+
+class Announcements(io.TextIOBase):
+    """sys.stderr as it was, plus an event set when the caller's thread announces that it
+    took the interrupt ("SIGINT: saving a checkpoint after step N")."""
+
+    def __init__(self, stream):
+        self.stream, self.taken = stream, threading.Event()
+
+    def write(self, text: str) -> int:
+        if "saving a checkpoint after step" in text:
+            self.taken.set()
+        return self.stream.write(text)
+
+
+def interrupting_loss(at_call: int, announcements: Announcements):
+    """Presses Ctrl-C (SIGINT to this process, as a notebook's Stop button does) during
+    replica 0's `at_call`-th step, and holds that step until the caller's thread has taken the
+    interrupt: where the run stops does not depend on how busy the machine is."""
+    calls = []
+
+    def loss(logits, targets):
+        if threading.current_thread().name == "replica 0 (cpu)":
+            calls.append(1)
+            if len(calls) == at_call:
+                os.kill(os.getpid(), signal.SIGINT)
+                assert announcements.taken.wait(timeout=120), "the interrupt was not taken"
+        return slow_loss(logits, targets)
+    return loss
+
+
+def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    before = set(threading.enumerate())
+    flags = {"epochs": 2, "print_freq": 1}
+    straight = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "straight", **flags)
+    assert len(app.train(straight, loss=slow_loss, logger=[])) == 2
+
+    stopped = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "stopped", **flags)
+    announcements = Announcements(sys.stderr)
+    monkeypatch.setattr(sys, "stderr", announcements)
+    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[])
+    monkeypatch.undo()
+    assert set(threading.enumerate()) == before  # every replica and the server thread ended
+    assert list(history.epoch) == [1]  # the history so far
+    saved = checkpoint.load(stopped.run_dir / "checkpoints" / "last.pt")
+    # replica 0 was held inside step 18 (the 3rd of epoch 2) until the stop was asked
+    assert saved["epoch"] == 1 and 18 <= saved["step"] <= 19
+    with pytest.raises(UserError, match="resume=True"):
+        app.train(stopped, loss=slow_loss, logger=[])
+
+    history = app.train(stopped, loss=slow_loss, logger=[], resume=True)
+    assert list(history.epoch) == [1, 2]
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(value, stopped.model.state_dict()[key]), key
+    assert set(threading.enumerate()) == before
+
+
+def failing_loss_in(thread_name: str, at_call: int):
+    calls = []
+
+    def loss(logits, targets):
+        if threading.current_thread().name == thread_name:
+            calls.append(1)
+            if len(calls) == at_call:
+                raise RuntimeError("the loss broke")
+        return nn.functional.cross_entropy(logits, targets)
+    return loss
+
+
+def test_a_replica_that_raises_stops_the_others_and_raises_in_the_caller(tiny, tmp_path):
+    before = set(threading.enumerate())
+    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "broken", epochs=2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the loss broke") as raised:
+        app.train(setup, loss=failing_loss_in("replica 1 (cpu)", 3), logger=[])
+    assert time.monotonic() - started < 30
+    assert any("replica 1 (cpu)" in note for note in raised.value.__notes__)
+    assert set(threading.enumerate()) == before
+
+
+def other_model_optimizer(model):
+    return torch.optim.SGD(TinyNet().parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"devices": ["cpu", "cuda:7"]}, "devices=['cpu', 'cuda:7']: device cuda:7 not available"),
+    ({"devices": ["tpu"]}, "devices=['tpu']: unknown device 'tpu'; use cpu, cuda or cuda:N"),
+    ({"optimizer": other_model_optimizer}, "optimizer: built on parameters that are not the "
+                                           "model's"),
+    ({"model": lambda: TinyNet(classes=1000)}, "model: its output for one image has shape "
+                                               "(1, 1000), but the train set has 10 classes"),
+    ({"lable_smoothing": 0.1}, "unknown keyword lable_smoothing=; did you mean "
+                               "label_smoothing=?"),
+    ({"label_smoothing": 2}, "label_smoothing must be in"),
+    ({"arch": "resnet50"}, "arch= is not a knob here; the API trains the model you pass"),
+])
+def test_bad_arguments_are_one_line_before_any_thread_starts(tiny, change, message):
+    before = set(threading.enumerate())
+    model = change.pop("model", TinyNet)()
+    optimizer = change.pop("optimizer", lambda m: torch.optim.SGD(m.parameters(), lr=0.1))(model)
+    arguments = {"devices": ["cpu", "cpu"], "optimizer": optimizer, "image_size": 32, **change}
+    with pytest.raises(UserError, match=re.escape(message)) as raised:
+        app.prepare_training(model, tiny.solutions(TABLE), **arguments)
+    assert "\n" not in str(raised.value)
+    assert set(threading.enumerate()) == before
+
+
+@pytest.mark.parametrize("loss, parallel, message", [
+    (nn.CrossEntropyLoss(reduction="none"), "threads", "loss: returned (2,) for a batch of 2, "
+                                                       "not a scalar tensor"),
+    (lambda logits, targets: logits.sum(), "processes", "loss: does not pickle"),
+])
+def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, parallel,
+                                                         message):
+    before = set(threading.enumerate())
+    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "bad", parallel)
+    with pytest.raises(UserError, match=re.escape(message)):
+        app.train(setup, loss=loss, logger=[])
+    assert set(threading.enumerate()) == before
+    assert not (setup.run_dir / "checkpoints").exists()

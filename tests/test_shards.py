@@ -1,0 +1,262 @@
+"""Shards: the wds and parquet layouts from foreign copies (tests/shard_copies.py writes them as
+Hugging Face lays them out, with tarfile and pyarrow), the windowed order, training from them
+locally and on the loopback S3 server with 2 workers in both sync modes, exact resume after
+SIGTERM with both decoders, bad samples and damaged shards."""
+
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from app.catalog.dataset import Dataset
+from app.catalog.shard_index import ShardError
+from app.catalog.shard_writer import main as make_shards
+from app.catalog.shards import load_tables as shard_tables
+from app.catalog.storage import DatasetRoot
+from app.catalog.tables import load_tables
+from app.data.windows import WindowedBatches
+from app.runtime.errors import UserError
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from conftest import run_driver, skipped_rows, write_catalog
+from s3 import FaultyProxy
+from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
+from test_reliability import EXACT, assert_bit_identical, last, stop_with_sigterm_after
+
+CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
+ONE_EPOCH = (*EXACT, "--epochs", "1")  # 5 classes, 160 images, global batch 8: 20 steps
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory, tiny_sample):
+    """The tiny sample as timm's wds copy (with a sample that is not an image) and as
+    imagenet-1k's parquet copy: the same samples in the same shards, in the same order."""
+    folder = tmp_path_factory.mktemp("shards")
+    return {"wds": write_wds(tiny_sample, folder / "wds", corrupt=CORRUPT),
+            "parquet": write_parquet(tiny_sample, folder / "parquet", corrupt=CORRUPT)}
+
+
+def entry(url, layout, **options):
+    return {"url": str(url), "layout": layout, "window": 2, **options}
+
+
+def test_both_layouts_list_the_source_samples_with_imagenet_classes(copies, tiny_sample,
+                                                                    tmp_path):
+    source = load_tables(DatasetRoot("source", str(tiny_sample)))
+    expected = sorted(label for part in rows(tiny_sample, "train", 4) for _, _, label in part)
+    for layout, folder in copies.items():
+        tables = shard_tables(DatasetRoot(layout, str(folder), layout=layout))
+        assert tables.num_classes == 1000 and tables.descriptions[1].startswith("goldfish")
+        assert len(tables.train) == len(source.train) and len(tables.val) == len(source.val)
+        assert tables.train.path[85].endswith("-0001.tar#5" if layout == "wds"
+                                              else "train-00001-of-00004.parquet#5")
+        assert list(np.bincount(tables.train.shard)) == [80, 80, 80, 80]
+        if layout == "parquet":  # the labels are read ahead; wds's come with the samples
+            assert sorted(tables.train.label) == expected
+    # --classes: samples of other classes are passed over using the shards' class indices
+    # (the wds copy without _info.json: its tars are scanned once, as for counting)
+    bare = write_wds(tiny_sample, tmp_path / "bare", info=False)
+    for root in (DatasetRoot("wds", str(bare), layout="wds"),
+                 DatasetRoot("parquet", str(copies["parquet"]), layout="parquet")):
+        subset = shard_tables(root, 3)
+        assert subset.wnids == source.wnids[:3] and len(subset.train) == 96
+        assert set(subset.train.label) == {0, 1, 2} and len(subset.val) == 30
+
+
+def test_the_python_api_reads_a_shard_layout_as_the_driver_does(copies):
+    """app.open_catalog(...).dataset(name).split(...): the same samples and classes."""
+    for layout, folder in copies.items():
+        root = DatasetRoot(layout, str(folder), layout=layout)
+        data = Dataset(root)
+        for name in ("train", "val"):
+            split = data.split(name, classes=range(3))
+            expected = getattr(shard_tables(root, 3), name)
+            assert split.num_classes == 3 and split.classes.wnids == shard_tables(root, 3).wnids
+            assert list(split.frame.path) == list(expected.path)
+
+
+def test_the_windowed_order_is_a_function_of_seed_and_epoch_split_among_ranks():
+    shards = np.repeat(np.arange(7), [5, 9, 0, 6, 8, 7, 5])  # a shard with no samples left
+    one = WindowedBatches(shards, 12, window=3, seed=4)
+    order = one.order(2)
+    assert sorted(order) == list(range(len(shards)))  # every sample once
+    start = 0
+    for window in one.windows(2):  # a window's samples come together, from its shards only
+        size = int(sum(np.bincount(shards, minlength=7)[window]))
+        assert set(shards[order[start:start + size]]) <= set(window)
+        start += size
+    assert not np.array_equal(order, one.order(3)) and np.array_equal(order, one.order(2))
+    halves = [WindowedBatches(shards, 6, window=3, seed=4, rank=r, world_size=2) for r in (0, 1)]
+    for step in range(one.steps_per_epoch()):  # 2 workers x 6 == 1 worker x 12
+        assert one.items(order, 2, step) == [item for half in halves
+                                             for item in half.items(half.order(2), 2, step)]
+
+
+def test_damaged_parquet_shards_name_the_shard_and_where(copies, tmp_path):
+    folder = shutil.copytree(copies["parquet"], tmp_path / "copy")
+    shard = folder / "data" / "train-00002-of-00004.parquet"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ShardError, match=rf"train-00002-of-00004.parquet is truncated .* byte "
+                                         rf"offset {len(data) // 2}"):
+        shard_tables(DatasetRoot("copy", str(folder), layout="parquet"))
+
+
+def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sample(
+        copies, tmp_path, s3_server):
+    """From the bucket (local copies train in the resume tests below): a shard is fetched
+    once for the machine, whichever rank asks first, and samples are read from there."""
+    bucket = {layout: s3_server.upload(folder, "shards", layout)
+              for layout, folder in copies.items()}
+    proxy = FaultyProxy(s3_server.endpoint)  # counts the requests
+    s3 = {"endpoint_url": proxy.endpoint, "cache_dir": str(tmp_path / "cache")}
+    catalog = write_catalog(tmp_path / "datasets.toml", {
+        layout: entry(url, layout, **s3) for layout, url in bucket.items()})
+    try:
+        requests = {}
+        for dataset, sync in (("wds", "ps"), ("parquet", "allreduce")):
+            before = proxy.counts["requests"]
+            result = run_driver("--catalog", str(catalog), "--dataset", dataset, "-a",
+                                "test_resnet", "--image-size", "32", "-b", "16", "-j", "0",
+                                "--epochs", "1", "--devices", "cpu,cpu", "--sync", sync,
+                                "--run-name", dataset, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            requests[dataset] = proxy.counts["requests"] - before
+            assert "320 train / 100 val images" in result.stderr
+            (row,) = skipped_rows(tmp_path / "runs" / dataset)
+            assert row["path"].endswith("0001.tar#5" if dataset == "wds"
+                                        else "train-00001-of-00004.parquet#5")
+            assert row["reason"].startswith("not decodable"), row
+    finally:
+        proxy.stop()
+    # 420 samples each; a per-image layout makes 420 GETs. Here: a GET per shard (6), the
+    # parquet files' footers and labels, and the catalog's lists and lookups.
+    assert requests["wds"] <= 6 + 12 and requests["parquet"] <= 6 * 4 + 12, requests
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "dali"])
+def test_a_truncated_tar_ends_the_run_with_one_line(copies, tmp_path, decoder):
+    folder = shutil.copytree(copies["wds"], tmp_path / "copy")
+    shard = folder / "imagenet1k-train-0003.tar"
+    shard.write_bytes(shard.read_bytes()[:40_000])
+    catalog = write_catalog(tmp_path / "datasets.toml", {"copy": entry(folder, "wds")})
+    result = run_driver("--catalog", str(catalog), "-a", "test_resnet", "--image-size", "32",
+                        "-b", "32", "-j", "1", "--epochs", "1", "--decoder", decoder,
+                        cwd=tmp_path)  # the error is met in a loader (or DALI reader) process
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: shard {shard} is truncated: ") and \
+        "at byte offset" in message and "40000" in message, message
+
+
+@pytest.fixture(scope="module")
+def straight(copies, tmp_path_factory):
+    """straight(layout, decoder): the last checkpoint of an uninterrupted 2-worker run. The two
+    copies hold the same samples in the same shards and order, so a run from one must end
+    identical to a run from the other."""
+    cwd = tmp_path_factory.mktemp("straight")
+    catalog = write_catalog(cwd / "datasets.toml", {
+        layout: entry(folder, layout) for layout, folder in copies.items()})
+    ends = {}
+
+    def end_of(layout: str, decoder: str, split: tuple[str, ...]) -> dict:
+        if (layout, decoder) not in ends:
+            name = f"{layout}-{decoder}"
+            result = run_driver("--catalog", str(catalog), "--dataset", layout, *ONE_EPOCH,
+                                *split, "--decoder", decoder, "--run-name", name, cwd=cwd)
+            assert result.returncode == 0, result.stderr
+            ends[layout, decoder] = last(cwd / "runs" / name)
+        return ends[layout, decoder]
+    return end_of, catalog
+
+
+# Each format resumed with one decoder and run straight with the other: Pillow with 2 workers
+# (ps; both sync modes train in the S3 test above and resume in tests/test_reliability.py),
+# DALI with one (its pipelines cost the most to build on 2 cores).
+@pytest.mark.parametrize("layout, other, decoder, split", [
+    ("wds", "parquet", "pillow", ("-b", "4", "--devices", "cpu,cpu")),
+    ("parquet", "wds", "dali", ("-b", "8"))])
+def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_the_other_format(
+        straight, tmp_path, layout, other, decoder, split):
+    end_of, catalog = straight
+    flags = ("--catalog", str(catalog), "--dataset", layout, *ONE_EPOCH, *split, "--decoder",
+             decoder, "--run-name", "cut")
+    code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    cut = last(tmp_path / "runs" / "cut")
+    assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
+    resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_bit_identical(end_of(other, decoder, split), last(tmp_path / "runs" / "cut"),
+                         end=(1, 20))
+
+def test_make_shards_writes_what_the_layouts_and_other_readers_read_and_resumes(
+        tiny_sample, tmp_path):
+    catalog = write_catalog(tmp_path / "datasets.toml", {"tiny": {"url": str(tiny_sample)}})
+    source = load_tables(DatasetRoot("source", str(tiny_sample)))
+    by_name = {Path(path).name: (tiny_sample / path, label)
+               for frame in (source.train, source.val) for path, label in zip(frame.path,
+                                                                            frame.label)}
+    for layout in ("wds", "parquet"):
+        out = tmp_path / layout
+        assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", layout,
+                            str(out), "--shard-size", "60KB"]) == 0
+        tables = shard_tables(DatasetRoot(layout, str(out), layout=layout))
+        assert tables.wnids == source.wnids and tables.descriptions == source.descriptions
+        assert (len(tables.train), len(tables.val)) == (len(source.train), len(source.val))
+        assert tables.train.shard.max() >= 5  # several shards, classes mixed in each
+        seen = []
+        for shard in sorted(out.rglob("*.tar" if layout == "wds" else "*.parquet")):
+            seen += check_tar(shard, by_name) if layout == "wds" else check_parquet(shard, by_name)
+        assert sorted(seen) == sorted(by_name)  # every image once, its bytes as they were
+
+    # A run killed part-way left some shards: started again, it keeps them and adds the rest.
+    out = tmp_path / "wds"
+    tars = sorted(out.glob("imagenet1k-train-*.tar"))
+    lost = {path: path.read_bytes() for path in tars[2:4]}
+    for path in lost:
+        path.unlink()
+    (out / "_info.json").unlink()
+    kept = {path: path.stat().st_mtime_ns for path in tars if path not in lost}
+    assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
+                        str(out), "--shard-size", "60KB"]) == 0
+    assert all(path.stat().st_mtime_ns == mtime for path, mtime in kept.items())
+    assert all(path.read_bytes() == data for path, data in lost.items())
+    assert (out / "_info.json").is_file()
+    with pytest.raises(UserError, match="holds shards of another dataset or other arguments"):
+        make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
+                     str(out), "--shard-size", "1MB"])
+
+
+def check_tar(path, by_name) -> list[str]:
+    """Member by member: KEY.jpg (the source's bytes), KEY.cls (its label), KEY.json."""
+    names = []
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+        assert len(members) % 3 == 0
+        for jpg, cls, meta in zip(members[::3], members[1::3], members[2::3]):
+            key = jpg.name[:-len(".jpg")]
+            assert (jpg.name, cls.name, meta.name) == (f"{key}.jpg", f"{key}.cls", f"{key}.json")
+            info = json.loads(tar.extractfile(meta).read())
+            file, label = by_name[info["filename"]]
+            assert tar.extractfile(jpg).read() == file.read_bytes()
+            assert int(tar.extractfile(cls).read()) == label == info["label"]
+            names.append(info["filename"])
+    return names
+
+
+def check_parquet(path, by_name) -> list[str]:
+    """Hugging Face's schema (and the features `datasets` decodes it with); the source's bytes."""
+    schema = pq.read_schema(path)
+    assert schema.remove_metadata() == PARQUET_SCHEMA
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    assert features["image"] == {"_type": "Image"} and features["label"]["_type"] == "ClassLabel"
+    names = []
+    for row in pq.read_table(path).to_pylist():
+        file, label = by_name[row["image"]["path"]]
+        assert row["image"]["bytes"] == file.read_bytes() and row["label"] == label
+        names.append(row["image"]["path"])
+    return names
