@@ -8,13 +8,16 @@ import shutil
 
 import pytest
 
+from app.config.sources import parse_config
+from app.launch.run import prepare_job
 from app.loggers import NullLogger
 from app.parallel import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint, run_state
-from app.training.batch_layout import BatchLayout, Saved, resumed_layout, split_per_worker
+from app.training.batch_layout import (BatchLayout, Saved, resumed_job, resumed_layout,
+                                       split_per_worker)
 from app.training.sample_log import trained_samples
 from app.training.trainer import Trainer, train_worker
 from conftest import run_driver
@@ -206,3 +209,16 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_before_anyth
         "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
         "with 3 x 4 x 1 = 12 images (from a checkpoint at an epoch's end)")
     assert "Traceback" not in result.stderr and "started" not in result.stderr
+
+
+def test_an_evaluation_of_the_checkpoint_takes_any_number_of_workers(stopped):
+    """-e trains no step: 3 workers evaluate the checkpoint that 3 workers cannot train on."""
+    def job(*flags):
+        config, _ = parse_config([*RUN, "-b", "4", "--output-dir", str(stopped.parent),
+                                  "--resume", "auto", *flags])
+        return prepare_job(config)
+    with pytest.raises(UserError, match="cannot keep the checkpoint's global batch of 8"):
+        resumed_job(job(), 3)
+    evaluation = job("-e")
+    assert resumed_job(evaluation, 3) is evaluation
+

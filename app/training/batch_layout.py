@@ -166,8 +166,9 @@ def nearest_divisors(total: int, near: int) -> list[int]:
 def resumed_job(job: TrainJob, world_size: int, report: Callable[[str], None] = log.info
                 ) -> TrainJob:
     """The job as it continues its checkpoint on `world_size` workers: the config's -b and
-    --accum-steps set by the rule, the user's kept beside them. Unchanged for a fresh run."""
-    if not job.resume_from:
+    --accum-steps set by the rule, the user's kept beside them. Unchanged for a fresh run
+    and for an evaluation (-e), which trains no step."""
+    if not job.resume_from or job.config.run.evaluate:
         return job
     from app.training import checkpoint  # noqa: PLC0415 (imports torch: only when resuming)
     saved = Saved.of(checkpoint.load(job.resume_from, mmap=True))

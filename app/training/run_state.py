@@ -71,7 +71,8 @@ def load(job: TrainJob, env: WorkerEnv) -> dict:
                             "rng": replicas[0]["rng"]}
     if not env.is_primary:
         state.pop("epoch_sums", None)  # counted once, by the primary
-    continue_in(state, saved, BatchLayout.of(job, env.world_size))
+    if not job.config.run.evaluate:  # -e trains no step: any layout evaluates
+        continue_in(state, saved, BatchLayout.of(job, env.world_size))
     return state
 
 
