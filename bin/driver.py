@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.launch.run import main  # noqa: E402
-from app.runtime.cli import run_cli  # noqa: E402
+from app.runtime.cli import end_process, run_cli  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    end_process(run_cli(main))

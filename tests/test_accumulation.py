@@ -19,7 +19,6 @@ from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
 from app.runtime.devices import WorkerEnv
-from app.runtime.errors import UserError
 from app.runtime.interrupts import Action, NoRequests
 from app.training.accumulation import Accumulation
 from app.training.trainer import Finished, Stopped, train_worker
@@ -43,15 +42,6 @@ def test_pipeline_batches_group_into_optimizer_steps():
     # a resumed epoch restarts its pipeline at the step's first batch, marked alike
     assert grouping.first_batch(4) == 12
     assert list(grouping.micro_batches_of(range(12, 29), epoch_step=4)) == marked[12:]
-
-
-def test_a_checkpoint_resumes_at_its_pipeline_batch_whatever_k_it_was_saved_with():
-    saved_with_4 = {"epoch_step": 3, "config": {"train": {"accum_steps": 4}}}  # batch 12
-    assert Accumulation(4, 40).resumed_epoch_step(saved_with_4) == 3
-    assert Accumulation(2, 40).resumed_epoch_step(saved_with_4) == 6
-    assert Accumulation(2, 40).resumed_epoch_step({"epoch_step": 4}) == 2  # before --accum-steps
-    with pytest.raises(UserError, match="resume with --accum-steps 4"):
-        Accumulation(5, 40).resumed_epoch_step(saved_with_4)
 
 
 def one_worker(tmp_path, name: str, *flags: str) -> dict:

@@ -94,18 +94,31 @@ class FixedLambda:
         return torch.tensor(self.lam)
 
 
-def test_lambda_is_a_function_of_seed_step_and_rank():
+def test_lambda_is_a_function_of_seed_epoch_and_the_batchs_place_in_the_epoch():
     images, labels = batch(8)
 
-    def run(seed=0, step=3, rank=0):
-        augment = BatchAugment(0.5, mixup_alpha=1.0, num_classes=CLASSES, seed=seed, rank=rank)
-        return augment(images.clone(), labels, step)
+    def run(seed=0, step=3, rank=0, epoch=0):
+        augment = BatchAugment(0.5, mixup_alpha=1.0, num_classes=CLASSES, seed=seed, rank=rank,
+                               world_size=2)
+        return augment(images.clone(), labels, step, epoch)
 
     first, again = run(), run()  # a fresh object, as after a resume
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    for other in (run(step=4), run(rank=1), run(seed=1)):
+    for other in (run(step=4), run(rank=1), run(seed=1), run(epoch=1)):
         assert not torch.equal(first[1], other[1])  # another lambda
         assert not torch.equal(first[0], other[0])
+
+
+def test_the_same_micro_batches_draw_alike_however_they_are_spread_over_workers():
+    """Worker r of 2 at its batch j holds the images 1 worker accumulating 2 micro-batches
+    takes as its batch 2j + r (the sampler's contiguous parts): both draw the same plan."""
+    spread = [BatchAugment(0.5, mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=CLASSES,
+                           seed=7, rank=rank, world_size=2) for rank in range(2)]
+    one = BatchAugment(0.5, mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=CLASSES, seed=7)
+    plans = {(j, r): spread[r].plan(8, 32, 32, step=j, epoch=2) for j in range(3)
+             for r in range(2)}
+    assert all(plans[j, r] == one.plan(8, 32, 32, step=2 * j + r, epoch=2) for j, r in plans)
+    assert len({repr(plan) for plan in plans.values()}) == 6  # each batch its own draw
 
 
 # --- cutmix -------------------------------------------------------------------------------

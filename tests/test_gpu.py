@@ -94,8 +94,9 @@ def test_sigterm_then_resume_on_the_gpu_continues(tmp_path):
     assert code == PREEMPTED_EXIT_CODE, stderr
     cut = last(tmp_path / "runs" / "cut")
     assert 0 < cut["epoch_step"] < 20
-    replica = run_state.load(tmp_path / "runs" / "cut" / "checkpoints" / "last.pt",
-                             WorkerEnv(device="cuda:0"))["replica"]
+    config, _ = parse_config([*flags, "--run-name", "cut", "--resume", "auto",
+                              "--output-dir", str(tmp_path / "runs")])
+    replica = run_state.load(prepare_job(config), WorkerEnv(device="cuda:0"))["replica"]
     assert isinstance(replica["rng"]["cuda"], torch.Tensor)  # this worker's generator only
     resumed = run_driver(*flags, "--run-name", "cut", "--resume", "auto", cwd=tmp_path,
                          timeout=600)

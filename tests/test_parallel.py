@@ -178,7 +178,9 @@ def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -
 @pytest.mark.parametrize("sync, victim", [("ps", "worker 1 (cpu)"),
                                           ("ps", "parameter server (cpu)"),
                                           ("allreduce", "worker 1 (cpu)")])
-def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, victim):
+def test_killing_a_process_stops_everything_within_3_seconds(tmp_path, sync, victim):
+    """Kill -> exit took 3.5-4.4 s here while the driver's interpreter tore itself down after
+    its error line, 0.7-1.3 s since it ends at once (docs/benchmarks.md, "A failed run")."""
     process, marker = start_driver(tmp_path, "--sync", sync, "-j", "1")
     started = read_started_line(process)
     pids = worker_pids(started)
@@ -189,7 +191,7 @@ def test_killing_a_process_stops_everything_within_10_seconds(tmp_path, sync, vi
     elapsed = time.monotonic() - killed_at
     stderr = process.stderr.read()
     assert code != 0
-    assert elapsed < 10
+    assert elapsed < 3
     assert f"error: {victim} was killed by SIGKILL" in stderr
     time.sleep(0.5)
     assert processes_with(marker) == []  # no orphans: workers, server, loader workers

@@ -25,7 +25,13 @@ EXAMPLES = """examples:
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
   python3 bin/bench.py gpu-day --budget 540 --out gpu-day        # every GPU figure, one call
+  python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
 """
+
+
+# The issue's measurement: 2 CPU workers, ResNet-18 at 64 px, the parameter server.
+TEARDOWN_RUN = ("--dataset", "sample_tiny", "-a", "resnet18", "--image-size", "64", "-b", "8",
+                "-j", "0", "--devices", "cpu,cpu", "--sync", "ps", "--epochs", "1", "-p", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "gpu-day --list names them)")
     day.add_argument("--list", action="store_true", help="name the parts and their deadlines, "
                      "run nothing")
-    for sub in (e2e, model, sync, threads, compiling, loader, guess):
+    teardown = commands.add_parser("teardown", help="a failed run: SIGKILL one worker of a "
+                                   "driver run, time to the error line and to the exit")
+    teardown.add_argument("--repeats", type=int, default=3)
+    teardown.add_argument("--victim", default="worker 1 (cpu)", help="as the driver's "
+                          "'started' line names it")
+    teardown.add_argument("flags", nargs="*", default=list(TEARDOWN_RUN), help="the driver's "
+                          "flags after --, default: " + " ".join(TEARDOWN_RUN))
+    for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown):
         sub.add_argument("--json", help="also write the report to this file")
     check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
                        help="the report (default: gpu-check.json)")
@@ -268,6 +281,9 @@ def main(argv: list[str]) -> int:
             build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
         report = bench.run(args.model, args.arch, args.image_size, args.images,
                            args.batch_size, args.repeats, args.limit)
+    elif args.command == "teardown":
+        from app.bench import teardown as bench  # noqa: PLC0415
+        report = bench.run(args.flags, args.victim, args.repeats)
     elif args.command == "gpu-day":
         from app.bench import gpu_day_parts as bench  # noqa: PLC0415
         if args.list:

@@ -210,6 +210,11 @@ class TrainConfig:
         1, "gradient accumulation: micro-batches of --batch-size per optimizer step, gradients "
         "exchanged once per step; the effective global batch (which scales the LR) is batch "
         "size x devices x this", check=at_least(1))
+    keep_global_batch: bool = param(
+        True, "resumed on another number of devices, keep the checkpoint's global batch and "
+        "sample order by choosing the per-device batch and --accum-steps for it (the rule: "
+        "docs/reliability.md); --no-keep-global-batch trains on with -b and --accum-steps as "
+        "given, a new global batch, from a checkpoint at an epoch's end only")
     # torchvision's names and semantics (app/training/ema.py)
     model_ema: bool = param(False, "keep an exponential moving average of the weights (and "
                             "buffers), evaluated beside them every epoch (val_ema/*); costs one "
@@ -302,6 +307,9 @@ class LoggingConfig:
     wandb_mode: str = param("", "wandb mode (default: $WANDB_MODE, else online)",
                             choices=("", "online", "offline", "disabled"))
     wandb_tags: list[str] = param([], "comma-separated wandb tags (default: $WANDB_TAGS)")
+    log_samples: bool = param(False, "record which train images every batch of every worker "
+                              "was made of, in samples/rank-R.jsonl in the run folder (a short "
+                              "line per batch and worker)")
     save_weights_every: int = param(
         0, "log the newest checkpoint as a wandb artifact every N epochs; 0 = never",
         check=at_least(0))

@@ -3,8 +3,14 @@
 Both input pipelines hand the Trainer a DeviceBatch of normalised images; these run on it before
 the forward, so Pillow and DALI share one implementation. Every random number (which images are
 erased and where, mixup or cutmix, lambda, the cutmix box) is drawn on the host from generators
-seeded by (seed, step, worker rank): the device never has to tell the host anything (no sync per
-step), and a resumed run, whose step counter is restored, draws the same numbers.
+seeded by the seed, the epoch and the micro-batch's place in the epoch's global order: worker
+r's batch j of the epoch is the (j x world_size + r)-th run of `batch size` images of that order
+(app/data/sampler.py). The device never has to tell the host anything (no sync per step), a
+resumed run draws the same numbers, and so does a run that holds the same micro-batches in
+another way: 2 workers x 8 images and 1 worker x 8 x 2 accumulated mix and erase alike. A run
+with another per-worker batch mixes other groups of images (mixup pairs images within a
+worker's batch, as torchvision's and timm's do); seeding erasing per image would spare it that
+but cost a generator per image (~15 us each; docs/benchmarks.md), and mixing would still differ.
 
 Semantics are torchvision's (references/classification, transforms.v2):
 - RandomErasing, the last transform of the train preset, so after Normalize: per image with
@@ -162,33 +168,38 @@ class BatchAugment:
     off it hands the batch through untouched."""
 
     def __init__(self, random_erase: float = 0.0, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0, *, num_classes: int, seed: int = 0, rank: int = 0):
+                 cutmix_alpha: float = 0.0, *, num_classes: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
         self.random_erase, self.mixup_alpha, self.cutmix_alpha = \
             random_erase, mixup_alpha, cutmix_alpha
-        self.num_classes, self.seed, self.rank = num_classes, seed, rank
+        self.num_classes, self.seed, self.rank, self.world_size = \
+            num_classes, seed, rank, world_size
 
     @classmethod
-    def from_config(cls, config: AugmentConfig, num_classes: int, seed: int, rank: int
-                    ) -> "BatchAugment":
+    def from_config(cls, config: AugmentConfig, num_classes: int, seed: int, rank: int,
+                    world_size: int = 1) -> "BatchAugment":
         return cls(config.random_erase, config.mixup_alpha, config.cutmix_alpha,
-                   num_classes=num_classes, seed=seed, rank=rank)
+                   num_classes=num_classes, seed=seed, rank=rank, world_size=world_size)
 
     @property
     def mixes(self) -> bool:
         """Targets become probability rows (the loss takes soft targets)."""
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
-    def plan(self, count: int, height: int, width: int, step: int) -> BatchPlan:
-        """Everything random about step `step`'s batch: a pure function of (seed, step, rank)
-        and the batch's shape."""
-        erase_rng = random.Random(mix_seed(self.seed, step, self.rank, ERASE_STREAM))
-        mix_rng = random.Random(mix_seed(self.seed, step, self.rank, MIX_STREAM))
+    def plan(self, count: int, height: int, width: int, step: int, epoch: int = 0
+             ) -> BatchPlan:
+        """Everything random about this worker's batch `step` of `epoch` (its micro-batches
+        counted from the epoch's start): a pure function of the seed, the epoch, the batch's
+        place in the epoch's global order and its shape."""
+        place = step * self.world_size + self.rank
+        erase_rng = random.Random(mix_seed(self.seed, epoch, place, ERASE_STREAM))
+        mix_rng = random.Random(mix_seed(self.seed, epoch, place, MIX_STREAM))
         boxes = erase_plan(count, height, width, self.random_erase, erase_rng) \
             if self.random_erase > 0 else []
         return BatchPlan(boxes, mix_plan(height, width, self.mixup_alpha, self.cutmix_alpha,
                                          mix_rng))
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, step: int
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, step: int, epoch: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) for the loss: `labels` unchanged unless mixing is on, then
         probability rows in the images' dtype. Works on `images` in place: the pipelines hand
@@ -196,7 +207,7 @@ class BatchAugment:
         batch of 0 or 1 images is not mixed (one image mixed with itself is itself)."""
         if not (self.random_erase > 0 or self.mixes):
             return images, labels
-        plan = self.plan(images.shape[0], images.shape[-2], images.shape[-1], step)
+        plan = self.plan(images.shape[0], images.shape[-2], images.shape[-1], step, epoch)
         if any(plan.erase):
             erase(images, plan.erase)
         if plan.mix is None:

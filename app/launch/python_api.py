@@ -37,6 +37,7 @@ from app.parallel.launcher import Stopping
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import preflight, run_state
+from app.training.batch_layout import resumed_job
 from app.training.job import TrainJob
 from app.training.user_parts import UserParts
 
@@ -130,6 +131,7 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
         api_inputs.check_picklable({"model": parts.model_template, "loss": parts.loss,
                                     "optimizer": parts.optimizer_spec, "schedule": schedule})
     job = train_job(setup, config, val_split(setup, val), resume_point(setup, resume))
+    job = resumed_job(job, len(setup.devices))  # on other devices: the same global batch
     write_run_folder(job)
     preflight.check(job, saves=True)
     relay_queue = relay_for(setup)

@@ -47,9 +47,12 @@ def main(argv: list[str]) -> int:
     from app.parallel.plans import choose_sync  # noqa: PLC0415
     from app.runtime.devices import worker_devices  # noqa: PLC0415
     from app.training import preflight  # noqa: PLC0415
+    from app.training.batch_layout import resumed_job  # noqa: PLC0415
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, launch)
+    job = resumed_job(job, launch.world_size if launch else len(devices),  # the same samples
+                      report=print_nothing if launch and launch.rank else log.info)
     if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
         check_pretrained(job, primary=not (launch and launch.rank))
     write_run_folder(job)  # first: it also shows that the output folder is writable
@@ -82,15 +85,21 @@ def check_launched(config: Config, launch: LaunchEnv) -> None:
         raise UserError("under srun, Slurm starts the job again: submit it with sbatch "
                         "--requeue and give the driver --resume auto instead of "
                         "run.max_restarts")
+    if config.run.max_restarts and launch.launcher == "mpirun":
+        raise UserError("mpirun does not start a rank again: run the job again (sbatch "
+                        "--requeue under Slurm) and give the driver --resume auto instead of "
+                        "run.max_restarts")
     if config.run.max_restarts:
         raise UserError("under torchrun, torchrun restarts the processes: give it "
                         "--max-restarts (before bin/driver.py) and give the driver --resume "
                         "auto instead of run.max_restarts")
     host = urlsplit(launch.init_method).hostname
-    if launch.launcher == "srun" and launch.rank == 0 and not slurm.is_this_machine(host):
-        # the others would wait for task 0 at `host` until --sync-timeout
-        raise UserError(f"task 0 runs on {socket.gethostname()}, but the tasks meet at {host} "
-                        "(the first node of the step): set MASTER_ADDR to task 0's host")
+    if launch.launcher != "torchrun" and launch.rank == 0 and not slurm.is_this_machine(host):
+        # the others would wait for rank 0 at `host` until --sync-timeout
+        where = "the first node of the step" if launch.launcher == "srun" else "MASTER_ADDR"
+        task = "task" if launch.launcher == "srun" else "rank"
+        raise UserError(f"{task} 0 runs on {socket.gethostname()}, but the {task}s meet at "
+                        f"{host} ({where}): set MASTER_ADDR to {task} 0's host")
     launch.check_one_device_each(config.parallel.gpus, config.parallel.devices)
 
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from app.config import ParallelConfig
 from app.parallel.plans import SYNC_MODES
 from app.parallel.watch import POLL_S, SyncFailure, descendants, die_with_parent, is_alive
+from app.runtime.cli import end_process
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
@@ -44,18 +45,18 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue) -> Non
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
-        code = target(*args)
+        code = target(*args) or 0
     except UserError as error:
         reports.put((name, str(error), "user"))
-        sys.exit(USER_ERROR_EXIT_CODE)
+        code = USER_ERROR_EXIT_CODE
     except SyncFailure as error:  # one line; "sync" if it only noticed another's failure
         reports.put((name, str(error), "sync" if error.noticed_only else "transport"))
-        sys.exit(1)
-    except BaseException as error:  # noqa: BLE001 (reported to the driver, then re-raised)
+        code = 1
+    except BaseException as error:  # noqa: BLE001 (reported to the driver, traceback printed)
         traceback.print_exc()
         reports.put((name, first_line(error, 300, with_type=True), "crash"))
-        sys.exit(1)
-    sys.exit(code or 0)
+        code = 1
+    end_process(code)  # the report is flushed to the driver first; no slow teardown
 
 
 # --- the driver side --------------------------------------------------------------------
@@ -184,10 +185,12 @@ def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
                 print(f"stopped by {signals.name()}: ended all {len(children)} processes "
                       f"without a new checkpoint{why}", file=sys.stderr)
                 return 128 + signals.received
-            failed = [c for c in children
-                      if c.process.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)]
-            if failed:
-                stop_all(children)
+            if any(map(has_failed, children)):
+                # Looked at again once all are stopped: a big process killed a moment ago may
+                # still be tearing down its memory, not yet reapable, while a peer that
+                # noticed it is gone has already exited.
+                ended = stop_all(children)
+                failed = [c for c in children if has_failed(c) and c.name not in ended]
                 code, cause = describe_failure(failed, drain(reports))
                 on_failure(cause)
                 # Stopped on request all the same: not a failure to retry.
@@ -236,23 +239,30 @@ def describe_failure(failed: list[Child], reports: dict[str, tuple[str, str]]
     return (USER_ERROR_EXIT_CODE if kind == "user" else 1), f"{child.name} {cause}"
 
 
-def stop_all(children: list[Child]) -> None:
+def has_failed(child: Child) -> bool:
+    return child.process.exitcode not in (None, 0, PREEMPTED_EXIT_CODE)
+
+
+def stop_all(children: list[Child]) -> set[str]:
     """SIGTERM every child, SIGKILL what is left after STOP_GRACE_S, including grandchildren
-    (data loader workers) found before their parents went away."""
-    alive = [c.process for c in children if c.process.exitcode is None]
-    below = [pid for p in alive for pid in descendants(p.pid)]
-    for process in alive:
-        process.terminate()
+    (data loader workers) found before their parents went away. Returns the names of the
+    children these signals ended (not those that were ending anyway)."""
+    alive = [c for c in children if c.process.exitcode is None]
+    below = [pid for c in alive for pid in descendants(c.process.pid)]
+    for child in alive:
+        child.process.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
-    for process in alive:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for process in alive:
-        if process.exitcode is None:
-            process.kill()
-            process.join(timeout=STOP_GRACE_S)
+    for child in alive:
+        child.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    killed = {c.name for c in alive if c.process.exitcode is None}
+    for child in alive:
+        if child.name in killed:
+            child.process.kill()
+            child.process.join(timeout=STOP_GRACE_S)
     for pid in below:
         if is_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    return killed | {c.name for c in alive if c.process.exitcode == -signal.SIGTERM}

@@ -1,4 +1,5 @@
-"""Device discovery, where each worker runs, and who started this process (torchrun, srun).
+"""Device discovery, where each worker runs, and who started this process (torchrun, srun,
+mpirun).
 torch is imported only when a device is actually looked up, so configuration mistakes are
 reported before its import cost."""
 
@@ -8,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from app.runtime import slurm
+from app.runtime import mpi, slurm
 from app.runtime.errors import UserError
 
 
@@ -78,23 +79,36 @@ def worker_devices(gpus: int, devices: list[str], device: str) -> list[str]:
 @dataclass(frozen=True)
 class LaunchEnv:
     """This process as one worker of a group a launcher started: torchrun (also inside
-    Kubernetes' PyTorchJob) or srun. Built once from the environment, passed down."""
+    Kubernetes' PyTorchJob), srun or mpirun/mpiexec. Built once from the environment, passed
+    down."""
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int = 1  # the workers on this machine (they share its CPU cores)
-    launcher: str = "torchrun"  # names the launcher in messages: torchrun or srun
-    init_method: str = "env://"  # torchrun's rendezvous; tcp://MASTER:PORT under srun
+    launcher: str = "torchrun"  # names the launcher in messages: torchrun, srun or mpirun
+    init_method: str = "env://"  # torchrun's rendezvous; tcp://MASTER:PORT under srun, mpirun
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "LaunchEnv | None":
         """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win,
         each of them, over Slurm's: torchrun started inside a Slurm job, or a batch script
-        that exports MASTER_ADDR before srun. None for a process no launcher started."""
+        that exports MASTER_ADDR before srun. An MPI launcher's ranks (app/runtime/mpi.py)
+        come before Slurm's tasks: mpirun or mpiexec inside an allocation starts its daemons
+        with srun, one task per node, and its ranks inherit that step's SLURM_PROCID and
+        SLURM_NTASKS, which are the daemons', not theirs. A rank whose number and count are
+        those of the srun task around it was started by srun itself (`srun --mpi=pmi2`):
+        Slurm's variables say more about it (its local rank, the nodes). None for a process
+        no launcher started."""
         if "RANK" in environ and "WORLD_SIZE" in environ:
             return cls(whole(environ, "RANK"), whole(environ, "WORLD_SIZE"),
                        whole(environ, "LOCAL_RANK", "0"), whole(environ, "LOCAL_WORLD_SIZE", "1"))
-        task = slurm.slurm_task(environ)
+        ranked, task = mpi.mpi_rank(environ), slurm.slurm_task(environ)
+        if ranked and not (task and (task.rank, task.world_size) == (ranked.rank,
+                                                                     ranked.world_size)):
+            host, port = mpi.meeting_point(ranked, environ)
+            return cls(ranked.rank, ranked.world_size, ranked.local_rank,
+                       ranked.local_world_size or 1, launcher="mpirun",
+                       init_method=f"tcp://{bracketed(host)}:{port}")
         if task is None:
             return None
         host = environ.get("MASTER_ADDR") or task.master_host
@@ -109,8 +123,9 @@ class LaunchEnv:
         if not gpus and len(devices) <= 1:
             return
         flag = f"--gpus {gpus}" if gpus else f"--devices {','.join(devices)}"
-        how = ("ask srun for them: --ntasks-per-node N --gpus-per-task 1"
-               if self.launcher == "srun" else "give torchrun --nproc-per-node N")
+        how = {"srun": "ask srun for them: --ntasks-per-node N --gpus-per-task 1",
+               "mpirun": "start one rank per GPU: mpirun -n N"}.get(
+                   self.launcher, "give torchrun --nproc-per-node N")
         raise UserError(f"{flag} conflicts with {self.launcher}, which started this process as "
                         f"one of {self.world_size} workers with one device each; drop {flag} "
                         f"and {how}")

@@ -8,7 +8,9 @@ is left (fewer when K does not divide the epoch's batches).
 
 The run's position (Position.step, .epoch_step), the LR schedule, the print interval and
 save/stop requests all count optimizer steps; checkpoints are taken only between them, so a
-resumed epoch restarts its pipeline at batch epoch_step x K.
+resumed epoch restarts its pipeline at batch epoch_step x K. A checkpoint written with another
+K or number of workers but the same global batch continues at the same optimizer step
+(app/training/batch_layout.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, TypeVar
 
 from app.data.pipeline import DeviceBatch, InputPipeline
-from app.runtime.errors import UserError
 
 Batch = TypeVar("Batch")
 
@@ -32,18 +33,6 @@ class Accumulation:
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch."""
         return math.ceil(self.batches_per_epoch / self.micro_batches)
-
-    def resumed_epoch_step(self, state: dict) -> int:
-        """A checkpoint's position in its epoch, in optimizer steps of this run's K: the same
-        pipeline batch, whatever K the checkpoint was saved with (its config says)."""
-        saved = state.get("config", {}).get("train", {}).get("accum_steps", 1)
-        batches = state["epoch_step"] * saved
-        if batches % self.micro_batches:
-            raise UserError(f"the checkpoint was saved {state['epoch_step']} steps into an epoch "
-                            f"with --accum-steps {saved} ({batches} batches), which steps of "
-                            f"{self.micro_batches} cannot continue; resume with --accum-steps "
-                            f"{saved}, or from a checkpoint taken at an epoch's end")
-        return batches // self.micro_batches
 
     def first_batch(self, epoch_step: int) -> int:
         """The pipeline batch where optimizer step `epoch_step` of an epoch begins."""

@@ -21,6 +21,9 @@ class TrainJob:
     run_dir: str
     resume_from: str = ""  # a checkpoint path, or "" to start fresh
     run_id: str = ""  # stable across resumes: names the run in wandb, stored in checkpoints
+    # -b and --accum-steps as given, when a resume on another number of workers chose others
+    # for the config (app/training/batch_layout.py); () when the config's are the user's
+    requested_batch: tuple[int, int] = ()
 
     @property
     def checkpoint_dir(self) -> Path:

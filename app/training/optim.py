@@ -136,13 +136,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
 
 def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
     """Continue at the saved step, on the schedule of the current config: a run resumed with
-    more --epochs stretches its cosine instead of staying at the old end (zero). A scheduler
-    that is not a function of the step (a caller's own, from the Python API) loads its state."""
+    more --epochs stretches its cosine instead of staying at the old end (zero). A schedule
+    saved with other steps per epoch (a new global batch, from an epoch's end) goes on from
+    the same epoch, its step count mapped to this run's steps. A scheduler that is not a
+    function of the step (a caller's own, from the Python API) loads its state."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.load_state_dict(state)
         return
     schedules = scheduler.lr_lambdas
-    scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(schedules)})  # None: keep ours
+    saved = (state.get("lr_lambdas") or [None])[0]  # the saved WarmupSchedule's attributes
+    counted_in = saved.get("steps_per_epoch") if isinstance(saved, dict) else None
+    step = state["last_epoch"]
+    counts_in = getattr(schedules[0], "steps_per_epoch", counted_in)  # a caller's: as saved
+    if counted_in and counted_in != counts_in:
+        step = round(step * counts_in / counted_in)
+    scheduler.load_state_dict({**state, "last_epoch": step,
+                               "lr_lambdas": [None] * len(schedules)})  # None: keep ours
     for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
                                      schedules):
         group["lr"] = base * schedule(scheduler.last_epoch)

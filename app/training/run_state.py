@@ -3,12 +3,18 @@
 Trainer.state_dict() is what one worker holds; saving is collective because a checkpoint
 gathers from every worker what differs between them: each replica's BatchNorm running
 statistics and RNG states ("replica", kept per worker) and the epoch's running sums (summed).
-The primary writes. Loading hands each worker its own replica entry back, and the summed epoch
-sums to the primary only, so they are counted once. Data order and augmentation need no saved
-state beyond (epoch, epoch_step): they are functions of (seed, epoch, image)
-(app/data/sampler.py), so the loader processes hold nothing that matters. The EMA's
-weights are identical on every replica (saved once); its BatchNorm statistics are replica
-state like the model's.
+The primary writes, with the batch layout that wrote it (app/training/batch_layout.py). Loading
+hands each worker its own replica entry back, and the summed epoch sums to the primary only, so
+they are counted once. Data order and augmentation need no saved state beyond (epoch,
+epoch_step): they are functions of (seed, epoch, image) (app/data/sampler.py), so the loader
+processes hold nothing that matters. The EMA's weights are identical on every replica (saved
+once); its BatchNorm statistics are replica state like the model's.
+
+Resumed on another number of workers, a checkpoint is read in the run's own layout: its place
+in the epoch in this run's optimizer steps, the LR scaled if the global batch changed (at an
+epoch's end only), and each replica's state rebuilt the same way on every worker: the BatchNorm
+statistics are the mean of the saved replicas' (what the next epoch's end would average), the
+RNG states replica 0's (every replica's generators start from the same seed and draw alike).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch.nn as nn
 from app.parallel import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
-from app.training import checkpoint
+from app.training import batch_layout, checkpoint
+from app.training.batch_layout import BatchLayout, Saved
 from app.training.ema import ModelEma
 from app.training.job import TrainJob
 
@@ -44,22 +51,53 @@ def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: b
                # what the class indices mean, for predict and export (no dataset needed)
                "class_names": list(job.tables.wnids),
                "class_words": list(job.tables.descriptions),
-               "config": job.config.to_dict(), "run_id": job.run_id}
+               "config": job.config.to_dict(), "run_id": job.run_id,
+               "batch": batch_layout.record(job, env.world_size)}
     folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints)
     return folder.save(payload, state["step"], best=best)
 
 
-def load(path: str, env: WorkerEnv) -> dict:
-    """This worker's state from a checkpoint: its own replica entry when the checkpoint was
-    written by as many workers, otherwise the primary's (the run continues, not bit-exactly)."""
-    state = checkpoint.load(path)
-    replicas = state.pop("replicas", None) or []
-    if replicas:
-        mine = replicas[env.rank] if len(replicas) == env.world_size else replicas[0]
-        state["replica"] = _from_bytes(mine)
+def load(job: TrainJob, env: WorkerEnv) -> dict:
+    """This worker's state from the job's checkpoint, in this run's batch layout: its own
+    replica entry when the checkpoint was written by as many workers, else one rebuilt alike on
+    every worker."""
+    state = checkpoint.load(job.resume_from)
+    saved = Saved.of(state)
+    replicas = [_from_bytes(entry) for entry in state.pop("replicas", None) or []]
+    if len(replicas) == env.world_size:
+        state["replica"] = replicas[env.rank]
+    elif replicas:
+        state["replica"] = {"buffers": mean_buffers([r["buffers"] for r in replicas]),
+                            "rng": replicas[0]["rng"]}
     if not env.is_primary:
         state.pop("epoch_sums", None)  # counted once, by the primary
+    if not job.config.run.evaluate:  # -e trains no step: any layout evaluates
+        continue_in(state, saved, BatchLayout.of(job, env.world_size))
     return state
+
+
+def mean_buffers(saved: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: torch.stack([buffers[name] for buffers in saved]).mean(0).to(values.dtype)
+            for name, values in saved[0].items()}
+
+
+def continue_in(state: dict, saved: Saved, layout: BatchLayout) -> None:
+    """The checkpoint's place in its epoch in `layout`'s optimizer steps (the same image
+    offset), and its LR scaled to `layout`'s global batch. The driver's rule has refused what
+    cannot continue (batch_layout.resumed_layout); this guards every other way in."""
+    offset, size = saved.image_offset, layout.global_batch
+    if offset % size:
+        raise UserError(f"the checkpoint is {offset} images into epoch {saved.epoch + 1} "
+                        f"(global batch {saved.layout.global_batch}), not a whole number of "
+                        f"steps of {size}: resume with its global batch")
+    state["epoch_step"] = offset // size
+    scale = size / saved.layout.global_batch
+    if scale != 1:  # a new global batch, from an epoch's end: the LR is per 256 images
+        state["scheduler"]["base_lrs"] = [lr * scale for lr in state["scheduler"]["base_lrs"]]
+        for group in state["optimizer"]["param_groups"]:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= scale
 
 
 def replica_buffers(models: dict[str, nn.Module]) -> dict[str, torch.Tensor]:

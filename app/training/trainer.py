@@ -76,7 +76,7 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
     trainer = Trainer(job, env, sync, logger, requests or NoRequests(), parts)
     try:
         if job.resume_from:
-            trainer.load_state_dict(run_state.load(job.resume_from, env))
+            trainer.load_state_dict(run_state.load(job, env))
         if job.config.run.evaluate:
             return Finished(trainer.evaluate_and_log())
         return trainer.fit()
@@ -110,7 +110,7 @@ class Trainer:
         # Takes class indices, or the probability rows that mixup/cutmix make (smoothed alike).
         self.criterion = CheckedLoss(parts.criterion(job), job.tables.num_classes)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
-                                                      config.train.seed, env.rank)
+                                                      config.train.seed, env.rank, env.world_size)
         self.position = Position()
         self.best_top1 = -1.0
         self.epoch_sums = Tally(self.precision.device)
@@ -150,8 +150,7 @@ class Trainer:
         restore_scheduler(self.scheduler, state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(state["epoch"], self.accumulation.resumed_epoch_step(state),
-                                 state["step"])
+        self.position = Position(state["epoch"], state["epoch_step"], state["step"])
         self.best_top1 = state["best_top1"]
         if "epoch_sums" in state:
             self.epoch_sums.load(state["epoch_sums"])
@@ -243,9 +242,9 @@ class Trainer:
         loss = None
         with self.sync.step(images, last) as loss_scale:
             if images:  # a worker without usable images still takes part in the sync
-                # seeded per micro-batch (the step's number without accumulation)
-                seed_step = self.position.step * self.accumulation.micro_batches + micro
-                inputs, targets = self.batch_augment(batch.images, batch.labels, seed_step)
+                index = self.accumulation.first_batch(self.position.epoch_step) + micro
+                inputs, targets = self.batch_augment(batch.images, batch.labels, index,
+                                                     self.position.epoch)  # seeded by its place
                 with self.precision.autocast():
                     loss = self.criterion(self.model(inputs), targets)
                 scaled = loss * loss_scale if loss_scale != 1.0 else loss

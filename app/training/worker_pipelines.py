@@ -1,5 +1,6 @@
 """A worker's two input pipelines, built from the job: the recipes (augmentations, sizes per
-epoch), this worker's share of the batches and the decoder the config names."""
+epoch), this worker's share of the batches and the decoder the config names; with
+--log-samples the train pipeline records what it hands over (sample_log.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from app.data.windows import DEFAULT_WINDOW, batches_for
 from app.runtime.devices import WorkerEnv
 from app.training.job import TrainJob
 from app.training.precision import Precision
+from app.training.sample_log import RecordedPipeline
 
 
 def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
@@ -35,5 +37,7 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
                                    world_size=env.world_size, shuffle=False),
                        workers, form)
     options = {"hw_decoder_load": config.data.hw_decoder_load}
-    return (build_pipeline(config.data.decoder, train, **options),
-            build_pipeline(config.data.decoder, val, **options))
+    trained = build_pipeline(config.data.decoder, train, **options)
+    if config.logging.log_samples:  # --log-samples: samples/rank-R.jsonl
+        trained = RecordedPipeline(trained, train.batches, job.run_dir, env)
+    return trained, build_pipeline(config.data.decoder, val, **options)

@@ -1,0 +1,97 @@
+"""An MPI launcher's view of this process: `mpirun`/`mpiexec` of Open MPI, MPICH or Intel MPI,
+read from the variables they set for every process they start. No MPI library is loaded:
+the ranks meet through torch.distributed like srun's tasks (app/runtime/slurm.py).
+
+- Open MPI: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; its PMIx namespace
+  (PMIX_NAMESPACE) names the job.
+- MPICH and Intel MPI (Hydra's PMI): PMI_RANK, PMI_SIZE, and on each machine MPI_LOCALRANKID,
+  MPI_LOCALNRANKS (PMI_LOCAL_RANK, PMI_LOCAL_SIZE where the launcher names them so, as
+  Cray's PALS does).
+
+Where the ranks meet: MASTER_ADDR and MASTER_PORT when given (`mpirun -x MASTER_ADDR=host`,
+`mpiexec -genv MASTER_ADDR host`). Without MASTER_ADDR, loopback when every rank runs on this
+machine (as many ranks here as in the job); across machines there is nothing every rank could
+agree on, so the run stops with one line asking for it. Without MASTER_PORT, a port derived
+from the job's name (Open MPI), so that two jobs on one machine do not meet at one port; else
+torchrun's default, 29500. app/runtime/devices.py decides which launcher's variables win.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Mapping
+
+from app.runtime.errors import UserError
+from app.runtime.slurm import PORT_BASE, PORT_SPAN
+
+DEFAULT_PORT = 29500  # torchrun's
+# (rank, size, local rank, local size): Open MPI's names, then Hydra's PMI ones
+OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE")
+PMI = ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+       ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
+
+
+@dataclass(frozen=True)
+class MpiRank:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int  # 0: the launcher does not say
+    job: str  # a name every rank of the job shares ("" if none)
+
+
+def mpi_rank(environ: Mapping[str, str]) -> MpiRank | None:
+    """This process as one rank of an MPI job of several, or None: not under an MPI launcher,
+    or the only rank (then the driver starts its own workers: `mpirun -n 1 ... --gpus 8`)."""
+    for rank, size, local_rank, local_size in (OPEN_MPI, PMI):
+        if rank in environ and size in environ:
+            world_size = number(environ, size)
+            if world_size < 2:
+                return None
+            return MpiRank(number(environ, rank), world_size,
+                           number(environ, *names(local_rank), default=0),
+                           number(environ, *names(local_size), default=0),
+                           environ.get("PMIX_NAMESPACE", ""))
+    return None
+
+
+def meeting_point(task: MpiRank, environ: Mapping[str, str]) -> tuple[str, int]:
+    """(host, port) where the ranks meet."""
+    host = environ.get("MASTER_ADDR", "")
+    if not host:
+        if task.local_world_size != task.world_size:
+            on = (f"{task.local_world_size} of them here" if task.local_world_size
+                  else "the launcher does not say how many run here")
+            raise UserError(f"under mpirun the {task.world_size} ranks run on more than one "
+                            f"machine ({on}): set MASTER_ADDR to rank 0's host for every rank "
+                            "(Open MPI: mpirun -x MASTER_ADDR=<host>; MPICH, Intel MPI: "
+                            "mpiexec -genv MASTER_ADDR <host>)")
+        host = "127.0.0.1"
+    if environ.get("MASTER_PORT"):
+        return host, number(environ, "MASTER_PORT")
+    if task.job:
+        return host, PORT_BASE + zlib.crc32(task.job.encode()) % PORT_SPAN
+    return host, DEFAULT_PORT
+
+
+def names(name: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (name,) if isinstance(name, str) else name
+
+
+def number(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    """The first of `names` that is set, as a whole number (`default` if none is)."""
+    for name in names:
+        if environ.get(name):
+            try:
+                value = int(environ[name])
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise UserError(f"{name}={environ[name]!r} is not a whole number (set by the "
+                                "MPI launcher)")
+            return value
+    if default is None:
+        raise UserError(f"{names[0]} is empty (set by the MPI launcher)")
+    return default

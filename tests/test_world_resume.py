@@ -1,0 +1,224 @@
+"""Resuming on another number of workers (issue 32): the rule that keeps the global batch, the
+LR schedule across a new global batch at an epoch's end, and real runs stopped on 2 workers
+and resumed on 1 and on 4 that train every image of every epoch once and end where an
+uninterrupted run does."""
+
+import json
+import shutil
+
+import pytest
+
+from app.config.sources import parse_config
+from app.launch.run import prepare_job
+from app.loggers import NullLogger
+from app.parallel import LocalSync
+from app.runtime.devices import WorkerEnv
+from app.runtime.errors import UserError
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.training import checkpoint, run_state
+from app.training.batch_layout import (BatchLayout, Saved, resumed_job, resumed_layout,
+                                       split_per_worker)
+from app.training.sample_log import trained_samples
+from app.training.trainer import Trainer, train_worker
+from conftest import run_driver
+from test_parallel import relative_difference
+from test_reliability import CATALOG, last, stop_with_sigterm_after
+from training import train_in_process
+
+
+def saved(world_size, per_worker, accumulation=1, epoch_step=5, requested=None):
+    layout = BatchLayout(world_size, per_worker, accumulation)
+    return Saved(layout, requested or (per_worker, accumulation), epoch=0, epoch_step=epoch_step)
+
+
+def test_fewer_workers_keep_the_global_batch_by_accumulating():
+    resumed = resumed_layout(saved(8, 32), (32, 1), world_size=4)  # 8 GPUs requeued on 4
+    assert resumed.layout == BatchLayout(4, 32, 2) and resumed.layout.global_batch == 256
+    assert resumed.note == ("resumed on 4 workers (saved by 8): per-worker batch 32, "
+                            "accumulation 2, same global batch and sample order")
+    assert resumed_layout(saved(2, 8), (8, 1), 1).layout == BatchLayout(1, 8, 2)
+
+
+def test_more_workers_take_smaller_batches():
+    assert resumed_layout(saved(2, 8), (8, 1), 4).layout == BatchLayout(4, 4, 1)
+    # accumulated on 1 worker, spread over 4: the micro-batches stop being needed
+    assert resumed_layout(saved(1, 8, 4), (8, 4), 4).layout == BatchLayout(4, 8, 1)
+    # the user's -b bounds a worker's micro-batch, whatever the layout saved last
+    chained = saved(4, 4, requested=(8, 1))  # 2 x 8 resumed on 4 earlier
+    assert resumed_layout(chained, (8, 1), 1).layout == BatchLayout(1, 8, 2)
+
+
+def test_per_worker_images_split_into_the_fewest_equal_micro_batches():
+    assert split_per_worker(64, 32) == (32, 2)
+    assert split_per_worker(24, 16) == (12, 2)
+    assert split_per_worker(30, 8) == (6, 5)
+    assert split_per_worker(7, 4) == (1, 7)  # a prime: one image at a time, still exact
+    assert split_per_worker(4, 8) == (4, 1)
+
+
+def test_the_same_global_batch_split_anew_is_taken_as_given():
+    same = resumed_layout(saved(2, 8), (16, 1), 1)  # -b 16 on one worker: 16 images a step
+    assert same.layout == BatchLayout(1, 16, 1) and "accumulation 1" in same.note
+    assert resumed_layout(saved(2, 8), (8, 1), 2).note == ""  # a plain resume says nothing
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_way_out():
+    with pytest.raises(UserError) as refused:
+        resumed_layout(saved(4, 8), (8, 1), 3)
+    assert str(refused.value) == (
+        "cannot keep the checkpoint's global batch of 32 images on 3 workers (32 is not a "
+        "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
+        "with 3 x 8 x 1 = 24 images (from a checkpoint at an epoch's end)")
+
+
+def test_a_new_global_batch_is_refused_mid_epoch_and_allowed_at_an_epochs_end():
+    with pytest.raises(UserError, match="-b 4 --accum-steps 1 on 2 workers is a global batch "
+                                        "of 8 images, but the checkpoint is 5 steps into epoch "
+                                        "1 with 16: the global batch can change only at an "
+                                        "epoch's end; resume with -b 8 --accum-steps 1"):
+        resumed_layout(saved(2, 8), (4, 1), 2)
+    with pytest.raises(UserError, match="change only at an epoch's end"):
+        resumed_layout(saved(2, 8), (8, 1), 3, keep=False)
+    at_end = resumed_layout(saved(2, 8, epoch_step=0), (8, 1), 3, keep=False)
+    assert at_end.layout == BatchLayout(3, 8, 1)
+    assert at_end.note.startswith("global batch 16 -> 3 x 8 x 1 = 24 images from epoch 1 on: "
+                                  "the LR scales by 24/16")
+
+
+def test_checkpoints_without_the_record_read_their_layout_from_config_and_replicas():
+    old = {"epoch": 1, "epoch_step": 3, "replicas": [b"", b""],
+           "config": {"train": {"batch_size": 8, "accum_steps": 2}}}
+    assert Saved.of(old) == Saved(BatchLayout(2, 8, 2), (8, 2), 1, 3)
+    assert Saved.of(old).image_offset == 3 * 32
+
+
+def test_a_new_global_batch_at_an_epochs_end_scales_the_lr_and_keeps_the_schedules_epoch(
+        tmp_path):
+    """One epoch with 160 images in steps of 8 (20), then resumed with -b 16 (10 steps an
+    epoch): the schedule's step 20 becomes step 10, the same epoch; the LR doubles."""
+    flags = ("--classes", "5", "--epochs", "3", "--warmup-epochs", "0", "-p", "5")
+    first = train_in_process(tmp_path, *flags, "-b", "8", "--epochs", "1", "--run-name", "r")
+    train_worker(first, WorkerEnv(), LocalSync(), NullLogger())
+    path = tmp_path / "r" / "checkpoints" / "last.pt"
+    before = Trainer(train_in_process(tmp_path, *flags, "-b", "8", "--resume", str(path)),
+                     WorkerEnv(), LocalSync())
+    after = Trainer(train_in_process(tmp_path, *flags, "-b", "16", "--no-keep-global-batch",
+                                     "--resume", str(path)), WorkerEnv(), LocalSync())
+    for trainer in (before, after):
+        trainer.load_state_dict(run_state.load(trainer.job, WorkerEnv()))
+        trainer.close()
+    assert checkpoint.load(path)["scheduler"]["last_epoch"] == 20
+    assert before.scheduler.last_epoch == 20 and after.scheduler.last_epoch == 10
+    lr_before = before.optimizer.param_groups[0]["lr"]
+    assert after.optimizer.param_groups[0]["lr"] == pytest.approx(2 * lr_before, rel=1e-12)
+    assert (before.position.epoch, before.position.epoch_step) == (1, 0)
+
+
+def test_the_sample_record_keeps_what_the_last_start_trained_from_its_place_on(tmp_path):
+    """32 images, global batch 4. A 2-worker run trained offsets 0-12 and was killed; its
+    restart on 1 worker went on from its last checkpoint, offset 8, to the end. A start's
+    time precedes the batches of its own start, whichever worker wrote it."""
+    folder = tmp_path / "samples"
+    folder.mkdir()
+
+    def lines(*records):
+        return "".join(json.dumps(r) + "\n" for r in records)
+
+    def batch(time, offset, samples):
+        return {"time": time, "epoch": 1, "offset": offset, "samples": list(samples)}
+
+    start = {"event": "start", "epoch": 1}
+    (folder / "rank-0.jsonl").write_text(lines(
+        {**start, "offset": 0, "time": 1.0},
+        *(batch(2 + o, o, (o, o + 1)) for o in (0, 4, 8, 12)),
+        {**start, "offset": 8, "time": 20.0},
+        *(batch(21 + o, o, range(o, o + 4)) for o in range(8, 32, 4))))
+    (folder / "rank-1.jsonl").write_text(lines(
+        {**start, "offset": 0, "time": 1.5},  # written after rank 0's start: the same start
+        *(batch(2 + o, o, (o + 2, o + 3)) for o in (0, 4, 8, 12))))
+    assert sorted(trained_samples(tmp_path)[1]) == list(range(32))
+
+
+# --- real runs: 2 workers stopped mid-epoch, resumed on 1 and on 4 ------------------------
+
+# GroupNorm (no BatchNorm: its batch statistics depend on the per-worker batch), float64, no
+# augmentation randomness that depends on the split: 160 images, global batch 8, one epoch of
+# 20 steps, stopped after step 5 or so; every worker records what it trained on.
+RUN = (*CATALOG, "-a", "test_resnet", "--norm", "group", "--dtype", "float64", "--amp", "off",
+       "--classes", "5", "--image-size", "32", "-j", "0", "--lr", "0.2", "--warmup-epochs",
+       "0.5", "--epochs", "1", "-p", "1", "--log-samples", "--run-name", "cut")
+DEVICES = {1: ("--device", "cpu"), 2: ("--devices", "cpu,cpu"),
+           3: ("--devices", "cpu,cpu,cpu"), 4: ("--devices", "cpu,cpu,cpu,cpu")}
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A 2-worker run (-b 4, the parameter server) stopped by SIGTERM mid-epoch."""
+    cwd = tmp_path_factory.mktemp("stopped")
+    code, stderr = stop_with_sigterm_after(cwd, (*RUN, "-b", "4", *DEVICES[2]), step=5)
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    cut = last(cwd / "runs" / "cut")
+    assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
+    assert cut["batch"] == {"world_size": 2, "per_worker": 4, "accumulation": 1,
+                            "global_batch": 8, "requested": [4, 1]}
+    return cwd / "runs" / "cut"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One worker with the rule's layout for it (-b 4, 2 micro-batches): an uninterrupted run
+    of the same global batch, where every resumed run must end."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    result = run_driver(*RUN, "-b", "4", "--accum-steps", "2", *DEVICES[1], cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return last(cwd / "runs" / "cut")
+
+
+def resumed_on(stopped, tmp_path, workers: int):
+    run_dir = tmp_path / "runs" / "cut"
+    shutil.copytree(stopped, run_dir)
+    return run_driver(*RUN, "-b", "4", *DEVICES[workers], "--resume", "auto", cwd=tmp_path), \
+        run_dir
+
+
+@pytest.mark.parametrize("workers, per_worker, accumulation", [(1, 4, 2), (4, 2, 1)])
+def test_stopped_on_2_workers_resumed_on_another_number_trains_every_image_once(
+        stopped, uninterrupted, tmp_path, workers, per_worker, accumulation):
+    result, run_dir = resumed_on(stopped, tmp_path, workers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = "" if workers == 1 else "s"
+    assert (f"resumed on {workers} worker{s} (saved by 2): per-worker batch {per_worker}, "
+            f"accumulation {accumulation}, same global batch and sample order") in result.stderr
+    # The run's own record: every image once per epoch, across the stop and the new layout.
+    epochs = trained_samples(run_dir)
+    assert list(epochs) == [1] and sorted(epochs[1]) == list(range(160))
+    done = last(run_dir)
+    assert (done["epoch"], done["step"]) == (1, 20)
+    assert done["batch"]["world_size"] == workers and done["batch"]["requested"] == [4, 1]
+    assert relative_difference(uninterrupted["model"], done["model"]) < 1e-9
+    at_stop = checkpoint.load(stopped / "checkpoints" / "last.pt")["model"]
+    assert relative_difference(at_stop, done["model"]) > 1e-3  # sanity: it trained on
+
+
+def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_before_anything_starts(
+        stopped, tmp_path):
+    result, run_dir = resumed_on(stopped, tmp_path, 3)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: cannot keep the checkpoint's global batch of 8 images on 3 workers (8 is not a "
+        "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
+        "with 3 x 4 x 1 = 12 images (from a checkpoint at an epoch's end)")
+    assert "Traceback" not in result.stderr and "started" not in result.stderr
+
+
+def test_an_evaluation_of_the_checkpoint_takes_any_number_of_workers(stopped):
+    """-e trains no step: 3 workers evaluate the checkpoint that 3 workers cannot train on."""
+    def job(*flags):
+        config, _ = parse_config([*RUN, "-b", "4", "--output-dir", str(stopped.parent),
+                                  "--resume", "auto", *flags])
+        return prepare_job(config)
+    with pytest.raises(UserError, match="cannot keep the checkpoint's global batch of 8"):
+        resumed_job(job(), 3)
+    evaluation = job("-e")
+    assert resumed_job(evaluation, 3) is evaluation
+
