@@ -7,6 +7,7 @@ import io
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -206,3 +207,38 @@ def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, p
         app.train(setup, loss=loss, logger=[])
     assert set(threading.enumerate()) == before
     assert not (setup.run_dir / "checkpoints").exists()
+
+
+STDIN_SCRIPT = """
+import sys
+import torch, torch.nn as nn
+import app
+tiny = app.open_catalog("datasets.toml").dataset("sample_tiny")
+def setup(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    return app.prepare_training(model, tiny.solutions("LOC_train_solution.csv"),
+                                devices=["cpu", "cpu"], optimizer=optimizer, batch_size=5,
+                                image_size=32, epochs=1, parallel="processes", workers=0,
+                                output_dir=sys.argv[1], run_name="stdin")
+class Own(nn.Linear):
+    pass
+try:
+    app.train(setup(nn.Sequential(nn.Flatten(), Own(3 * 32 * 32, 10))), logger=[])
+except app.UserError as error:
+    print("refused:", error)
+model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(8, 10))
+history = app.train(setup(model), loss=nn.CrossEntropyLoss(), logger=[])
+print("epochs:", list(history.epoch))
+"""
+
+
+def test_a_script_read_from_stdin_trains_in_processes(sample_cache, tmp_path):
+    """`python - < script.py`: the spawned workers must not try to run '<stdin>' as a file,
+    and a class defined in that script is refused as a prompt's would be."""
+    result = subprocess.run([sys.executable, "-", str(tmp_path)], input=STDIN_SCRIPT,
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: model: Own is defined in this notebook or prompt" in result.stdout
+    assert "epochs: [1]" in result.stdout
+    assert (tmp_path / "stdin" / "checkpoints" / "last.pt").is_file()

@@ -32,6 +32,7 @@ from app.catalog.storage import FILE_LAYOUTS, default_cache_dir  # noqa: F401 (t
 from app.catalog.tables import (SYNSET_MAPPING, TRAIN_CLS, TRAIN_DIR, TRAIN_SOLUTION, VAL_DIR,
                                 VAL_SOLUTION)
 from app.runtime.errors import UserError
+from app.runtime.spawning import main_module_spawn_can_run
 
 # Real ILSVRC wnids and descriptions, in synset-mapping order; later classes get made-up ids.
 REAL_SYNSETS = [
@@ -226,7 +227,8 @@ def _run_jobs(jobs: list[ImageJob], workers: int) -> list:
     if workers == 1 or len(jobs) < 2000:
         return [write_image(job) for job in jobs]
     # spawn: safe whatever the parent holds (CUDA, threads); this module imports no torch.
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    with main_module_spawn_can_run(), \
+            ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         return list(pool.map(write_image, jobs, chunksize=64))
 
 

@@ -166,19 +166,28 @@ def check_schedule(schedule: Any, config: Config) -> None:
 
 def check_picklable(objects: dict[str, Any]) -> None:
     """Worker processes are spawned: what they run must pickle and be importable there."""
-    interactive = not hasattr(sys.modules.get("__main__"), "__file__")
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    interactive = main_file is None or main_file.startswith("<")  # a prompt, or '<stdin>'
     for name, value in objects.items():
-        kind = value if isinstance(value, type) or callable(value) and not isinstance(
-            value, nn.Module) else type(value)
-        if interactive and getattr(kind, "__module__", "") == "__main__":
-            raise UserError(f"{name}: {getattr(kind, '__qualname__', kind)} is defined in this "
-                            "notebook or prompt, which spawned worker processes cannot import; "
-                            "use parallel=\"threads\", or move it into a module")
+        kinds = defined_by(value)
+        local = [kind for kind in kinds if getattr(kind, "__module__", "") == "__main__"]
+        if interactive and local:
+            raise UserError(f"{name}: {getattr(local[0], '__qualname__', local[0])} is defined "
+                            "in this notebook or prompt, which spawned worker processes cannot "
+                            "import; use parallel=\"threads\", or move it into a module")
         try:
             pickle.dumps(value)
         except Exception as error:  # noqa: BLE001 (whatever pickling raised, in one line)
             raise UserError(f"{name}: does not pickle ({first_line(error, 120, True)}), so it "
                             "cannot reach worker processes; use parallel=\"threads\"") from None
+
+
+def defined_by(value: Any) -> list:
+    """The classes or functions a spawned process must import to rebuild `value`: a module's
+    own class and those of its submodules (a notebook's block inside nn.Sequential too)."""
+    if isinstance(value, nn.Module):
+        return list(dict.fromkeys(type(module) for module in value.modules()))
+    return [value if isinstance(value, type) or callable(value) else type(value)]
 
 
 def check_schedule_knobs(schedule: Any, knobs: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from app.runtime.cli import end_process
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
+from app.runtime.spawning import main_module_spawn_can_run
 
 log = logging.getLogger("imagenet_dp")
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
@@ -111,8 +112,9 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
         children.append(Child(name, context.Process(
             target=child_entry,
             args=(name, target, (job, env, setup.plan, cpu_workers), reports))))
-    for child in children:
-        child.process.start()
+    with main_module_spawn_can_run():
+        for child in children:
+            child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
     return supervise(children, reports, requests, stopping, on_failure, on_tick)
 
