@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import timm
 import torch
@@ -34,6 +36,16 @@ def test_small_variant_keeps_resolution_in_the_stem():
 def test_unknown_model_suggests_close_names():
     with pytest.raises(UserError, match=r"unknown model 'resnet5O'; did you mean .*resnet50"):
         create_model("resnet5O", num_classes=10)
+
+
+@pytest.mark.parametrize("arch", ["torchvision.models.resnet.ResNet", "__main__.Net"])
+def test_a_python_api_runs_model_class_is_named_with_how_to_load_it(arch):
+    """app.train records the caller's class: predict, export and validate say what to do."""
+    with pytest.raises(UserError, match=re.escape(f"'{arch}' is the model class of a run of "
+                                                  "app.train, which can only be rebuilt in "
+                                                  "Python")):
+        create_model(arch, num_classes=10)
+    assert create_model("resnet18.a1_in1k", num_classes=10).num_classes == 10  # a timm tag
 
 
 def test_small_variant_needs_a_plain_resnet_stem():

@@ -99,6 +99,7 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
     image = resolved_config.data.image_size or train_set.root.image_size or DEFAULT_IMAGE_SIZE
     api_inputs.check_model(model, train_set.num_classes, image)
     kind = type(model)
+    arch = f"{kind.__module__}.{kind.__qualname__}"  # a class, not a name the factory knows
     run = resolved_config.run
     name = run.name or (f"{train_set.root.name}-{kind.__name__.lower()}-"
                         f"{time.strftime('%Y%m%d-%H%M%S')}")
@@ -106,7 +107,7 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         resolved_config,
         data=dataclasses.replace(resolved_config.data, dataset=train_set.root.name,
                                  image_size=image, classes=list(train_set.classes.wnids)),
-        model=dataclasses.replace(resolved_config.model, arch=f"{kind.__module__}.{kind.__qualname__}"),
+        model=dataclasses.replace(resolved_config.model, arch=arch),
         run=dataclasses.replace(run, name=name))
     return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs)
 

@@ -86,6 +86,12 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
     a 3x3 stride-1 stem and no max-pool, as CIFAR-style ResNets use for 32-64 px inputs; its
     state_dict keys are those of the timm ResNet it is made from."""
     base = name.removesuffix(SMALL_SUFFIX)
+    if not timm.is_model(base) and base.rpartition(".")[2][:1].isupper():
+        # app.train records the caller's model class ("torchvision.models.resnet.ResNet",
+        # "__main__.Net"): its constructor's arguments are not known here
+        raise UserError(f"'{name}' is the model class of a run of app.train, which can only "
+                        "be rebuilt in Python: build the model there and load the "
+                        "checkpoint's weights into it (torch.load(PATH)['model'])")
     if not timm.is_model(base):
         close = difflib.get_close_matches(base, timm.list_models(), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models()"
