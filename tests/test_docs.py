@@ -1,7 +1,8 @@
-"""Docs that cannot drift: every `--flag` a command in README.md or docs/*.md passes to one of
-bin/'s scripts is one that script accepts (its real --help, not a list kept here), every
-configs/ and examples/ file they name exists, every link resolves (anchors included), and
-docs/training.md's flag tables name exactly the driver's flags."""
+"""Docs that cannot drift: every `--flag` a command in README.md, docs/*.md or examples/ (the
+batch scripts and the Kubernetes manifest) passes to one of bin/'s scripts is one that script
+accepts (its real --help, not a list kept here), every configs/, examples/ and docs/ file they
+name exists, every link resolves (anchors included), and docs/training.md's flag tables name
+exactly the driver's flags."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SHELL_EXAMPLES = sorted((REPO / "examples").rglob("*.sbatch"))
+YAML_EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
+# files whose comments point at other files of the repository
+COMMENTED = [*SHELL_EXAMPLES, *YAML_EXAMPLES, *sorted((REPO / "configs").glob("*.toml"))]
 # scripts whose extra flags are another script's: validate.py hands them to the driver
 FLAGS_OF = {"validate.py": "driver.py"}
 SCRIPT = re.compile(r"(?:^|[\s/])bin/(\w+\.py)$")
@@ -29,18 +35,47 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def commands(block: str) -> list[list[str]]:
-    """A shell block's commands as words: continuation lines joined, comments dropped, and a
-    line cut at `|`, `;`, `&&` or `$(`."""
+    """A shell block's commands as words: continuation lines and a bash array's lines
+    (`TRAIN=(python bin/driver.py ...` over several lines) joined, comments dropped, and a line
+    cut into its commands at `|`, `;`, `&&`, `||` and `$(`."""
     joined = re.sub(r"\\\n\s*", " ", block)
+    joined = re.sub(r"=\(([^()]*)\)", lambda array: "=(" + " ".join(array[1].split()) + ")",
+                    joined)
     found = []
     for line in joined.splitlines():
-        line = re.split(r"\s(?:\||;|&&)\s|\$\(", line)[0]
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError:  # an unbalanced quote in prose-like lines: not a command
-            continue
-        if words:
-            found.append(words)
+        for part in re.split(r"\s(?:\|\||\||;|&&)\s|\$\(", line):
+            try:
+                words = shlex.split(part, comments=True)
+            except ValueError:  # an unbalanced quote in prose-like lines: not a command
+                continue
+            if words:
+                found.append(words)
+    return found
+
+
+def inline_commands(markdown: str) -> list[list[str]]:
+    """The commands written in prose, as `python bin/bench.py predict ... --images`."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)
+    return [words for span in re.findall(r"`([^`\n]*\bbin/\w+\.py\b[^`\n]*)`", prose)
+            for words in commands(span)]
+
+
+def manifest_commands(text: str) -> list[list[str]]:
+    """Every list of strings in a YAML file (a container's command or args) as words."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            if node and all(isinstance(item, str) for item in node):
+                found.append(node)
+            for item in node:
+                walk(item)
+
+    for document in yaml.safe_load_all(text):
+        walk(document)
     return found
 
 
@@ -70,29 +105,34 @@ def accepted_flags(script: str, subcommand: str = "") -> frozenset[str]:
     return frozenset(flags)
 
 
-def unknown_flags(markdown: str) -> list[str]:
+def markdown_commands(markdown: str) -> list[list[str]]:
+    """The commands of a page's shell blocks and of its prose."""
+    found = [words for language, block in code_blocks(markdown)
+             if language in ("", "bash", "sh", "shell", "console")
+             for words in commands(block)]
+    return found + inline_commands(markdown)
+
+
+def unknown_flags(markdown: str, find=markdown_commands) -> list[str]:
     """`script: --flag` for every flag a documented command passes that the script refuses."""
     found = []
-    for language, block in code_blocks(markdown):
-        if language not in ("", "bash", "sh", "shell", "console"):
-            continue
-        for words in commands(block):
-            for script, rest in script_calls(words):
-                if not (REPO / "bin" / script).exists():
-                    found.append(f"bin/{script}: no such script")
-                    continue
-                subcommand = rest[0] if script == "bench.py" and rest else ""
-                known = accepted_flags(script, subcommand)
-                for word in rest:
-                    flag = word.split("=", 1)[0]
-                    if FLAG.fullmatch(flag) and flag not in known:
-                        found.append(f"{script}: {flag}")
+    for words in find(markdown):
+        for script, rest in script_calls(words):
+            if not (REPO / "bin" / script).exists():
+                found.append(f"bin/{script}: no such script")
+                continue
+            subcommand = rest[0] if script == "bench.py" and rest else ""
+            known = accepted_flags(script, subcommand)
+            for word in rest:
+                flag = word.split("=", 1)[0]
+                if FLAG.fullmatch(flag) and flag not in known:
+                    found.append(f"{script}: {flag}")
     return found
 
 
 def named_files(markdown: str) -> set[str]:
-    """Paths of the repository a page names: configs, examples, the code and the tests."""
-    return set(re.findall(r"(?<![\w/.-])((?:configs|examples|app|bin|tests)/[\w./-]*\w)",
+    """Paths of the repository a page names: configs, examples, docs, the code and the tests."""
+    return set(re.findall(r"(?<![\w/.-])((?:configs|examples|docs|app|bin|tests)/[\w./-]*\w)",
                           markdown))
 
 
@@ -138,6 +178,17 @@ def test_every_link_resolves(doc):
     assert broken_links(doc) == []
 
 
+@pytest.mark.parametrize("example", SHELL_EXAMPLES + YAML_EXAMPLES, ids=lambda p: p.name)
+def test_example_launches_use_only_flags_the_driver_accepts(example):
+    find = manifest_commands if example.suffix == ".yaml" else commands
+    assert unknown_flags(example.read_text(), find) == []
+
+
+@pytest.mark.parametrize("path", COMMENTED, ids=lambda p: p.name)
+def test_files_named_in_examples_and_configs_exist(path):
+    assert {name for name in named_files(path.read_text()) if not (REPO / name).exists()} == set()
+
+
 def test_a_misspelt_flag_a_missing_config_and_a_dead_link_are_found(tmp_path):
     planted = """
 ```bash
@@ -147,13 +198,16 @@ torchrun --nnodes 2 bin/driver.py --lr 0.1 -b 64 --gpu 8
 python bin/bench.py loader --dataset sample --dataset-name x
 python bin/validate.py runs/x/best.pt --val-flip-tta --evaluation
 python bin/driver.py --config configs/resnet51.toml
+make setup && python bin/driver.py --resum auto
 ```
-See [training](training.md#flags), [nowhere](missing.md) and [a heading](training.md#nope).
+See [training](training.md#flags), [nowhere](missing.md) and [a heading](training.md#nope);
+in prose, `python bin/bench.py predict ... --image` and docs/trainning.md.
 """
-    assert unknown_flags(planted) == ["driver.py: --epoch", "driver.py: --gpu",
-                                      "bench.py: --dataset-name", "validate.py: --evaluation"]
+    assert unknown_flags(planted) == [
+        "driver.py: --epoch", "driver.py: --gpu", "bench.py: --dataset-name",
+        "validate.py: --evaluation", "driver.py: --resum", "bench.py: --image"]
     assert {name for name in named_files(planted) if not (REPO / name).exists()} == {
-        "configs/resnet51.toml"}
+        "configs/resnet51.toml", "docs/trainning.md"}
     doc = tmp_path / "docs" / "planted.md"
     doc.parent.mkdir()
     doc.write_text(planted)
@@ -173,3 +227,21 @@ def test_the_training_page_tables_name_exactly_the_drivers_flags():
     driver = {flag for flag in accepted_flags("driver.py")
               if flag.startswith("--") and not flag.startswith("--no-") and flag != "--help"}
     assert documented == driver
+
+
+def test_a_misspelt_flag_in_a_batch_script_or_a_manifest_is_found():
+    script = """
+TRAIN=(.venv/bin/python bin/driver.py --sync allreduce
+       --dataset imagenet_s3 --output-dir runs
+       --resum auto)
+srun --kill-on-bad-exit=0 .venv/bin/python bin/driver.py --epochs 3 --gpu 8
+"""
+    manifest = """
+spec:
+  containers:
+    - command: [.venv/bin/torchrun, --nproc-per-node=8, bin/driver.py, --sync=allreduce,
+                --run-nam=r50]
+      ports: [{name: port, containerPort: 23456}]
+"""
+    assert unknown_flags(script, commands) == ["driver.py: --resum", "driver.py: --gpu"]
+    assert unknown_flags(manifest, manifest_commands) == ["driver.py: --run-nam"]
