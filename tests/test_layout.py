@@ -18,14 +18,17 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 MAX_LINES = 350
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(APP.parent).with_suffix("").parts
+MAX_APP_ENTRIES = 12  # `ls app/`: a newcomer finds the program's parts in one short list
+
+
+def module_name(path: Path, root: Path = APP) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
+def imports_of(path: Path, modules: set[str], root: Path = APP) -> set[str]:
     """Modules of app/ that `path` imports anywhere (top level, functions, TYPE_CHECKING)."""
-    name = module_name(path)
+    name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -49,10 +52,10 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = sorted(APP.rglob("*.py"))
-    modules = {module_name(p) for p in files}
-    return {module_name(p): imports_of(p, modules) for p in files}
+def import_graph(root: Path = APP) -> dict[str, set[str]]:
+    files = sorted(root.rglob("*.py"))
+    modules = {module_name(p, root) for p in files}
+    return {module_name(p, root): imports_of(p, modules, root) for p in files}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -128,10 +131,59 @@ def test_the_floor_rule_finds_an_upward_and_a_sideways_import():
         "app.mid.c (floor 1) imports app.side.d (floor 1)"]
 
 
-def test_every_package_says_what_it_owns_and_may_import():
+def test_a_planted_upward_import_fails_the_rule_however_it_is_written(tmp_path):
+    """Real files, read as the suite reads app/: an import under TYPE_CHECKING, one inside a
+    function and a relative one are each found."""
+    root = tmp_path / "app"
+    for package in ("low", "high"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "high" / "job.py").write_text("from app.low.base import Base\n")
+    (root / "low" / "base.py").write_text("class Base:\n    pass\n")
+    (root / "low" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.high.job import Job\n")
+    (root / "low" / "lazy.py").write_text("def run():\n    from ..high import job\n    return job\n")
+    floors = {"app.low": 0, "app.high": 1}
+    assert upward_imports(import_graph(root), floors) == [
+        "app.low.lazy (floor 0) imports app.high.job (floor 1)",
+        "app.low.typed (floor 0) imports app.high.job (floor 1)"]
+
+
+def test_app_holds_only_its_face_and_the_packages_on_floors():
+    entries = {p.name for p in APP.iterdir() if p.name != "__pycache__"}
+    packages = {name.removeprefix("app.") for name in floors_from_architecture_doc()}
+    assert entries == packages | {"__init__.py"}
+    assert len(entries) <= MAX_APP_ENTRIES
+
+
+def declared_imports(docstring: str, packages: set[str]) -> set[str] | None:
+    """The packages a package's docstring says it imports ("Imports only app.runtime and
+    app.config."); None where it says only "the packages below it"."""
+    sentence = re.search(r"Imports(.*?)(?:[.:;](?:\s|$))", docstring, re.S)
+    assert sentence, "no 'Imports ...' sentence"
+    named = {word for word in re.findall(r"(?:app\.)?(\w+)", sentence[1]) if word in packages}
+    if not named and "below" in sentence[1]:
+        return None
+    return named
+
+
+def test_every_package_says_what_it_owns_and_may_import_and_keeps_to_it():
+    """The docstring's list is checked against the imports it names, so it cannot drift."""
+    floors = floors_from_architecture_doc()
+    packages = {name.removeprefix("app.") for name in floors}
+    used: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        used.setdefault(package_of(module), set()).update(
+            package_of(t).removeprefix("app.") for t in targets)
     for init in APP.glob("*/__init__.py"):
+        package = init.parent.name
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "Imports" in doc, init
+        declared = declared_imports(doc, packages - {package})
+        if declared is None:
+            continue
+        assert used.get(f"app.{package}", set()) - {package} <= declared, init
+        assert all(floors[f"app.{d}"] < floors[f"app.{package}"] for d in declared), init
 
 
 def test_no_module_over_the_size_limit():
