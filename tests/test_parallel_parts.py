@@ -17,7 +17,7 @@ from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.plans import choose_sync
 from app.parallel.ps_server import Reducer, Registration, ServerLinks, syncgrads
 from app.parallel.watch import SyncFailure, Watch, descendants, is_alive
-from app.runtime.devices import LaunchEnv, worker_devices
+from app.runtime.devices import LaunchEnv, cpu_threads, worker_devices
 from app.runtime.errors import UserError
 
 
@@ -192,3 +192,13 @@ def test_device_lists():
     assert LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == \
         LaunchEnv(1, 4, 1)
     assert LaunchEnv.from_environ({}) is None
+
+
+def test_cpu_workers_share_the_cores_within_omp_num_threads(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [cpu_threads(n) for n in (1, 2, 4, 32)] == [16, 8, 4, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert [cpu_threads(n) for n in (1, 2, 4)] == [6, 6, 4]
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert cpu_threads(1) == 16

@@ -30,12 +30,20 @@ class WorkerEnv:
 def use_device(device: str, cpu_workers: int = 1) -> None:
     """First thing in a worker process: on a GPU make it the current device, so that nothing
     (the pinned-memory thread, a stray allocation) opens a context on GPU 0; on CPU share the
-    cores between the CPU workers instead of fighting over them."""
+    cores between the CPU workers instead of fighting over them, and never take more threads
+    than OMP_NUM_THREADS when it is set (a machine shared with other jobs, the test suite)."""
     import torch  # noqa: PLC0415
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+        torch.set_num_threads(cpu_threads(cpu_workers))
+
+
+def cpu_threads(cpu_workers: int) -> int:
+    """Each CPU worker's share of the cores, capped by OMP_NUM_THREADS."""
+    share = max(1, (os.cpu_count() or 1) // cpu_workers)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
 
 
 def resolve_device(name: str) -> str:
