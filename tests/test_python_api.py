@@ -62,18 +62,29 @@ def relative_difference(a: dict, b: dict) -> float:
 EXACT = {"epochs": 1, "dtype": "float64", "check_every": 1, "print_freq": 100}
 
 
-def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_path):
+def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_path, caplog):
     """As tests/test_parallel.py's driver test: 2 x 5 images per step compute what 1 x 10
-    does (--check-every 1: the replicas were compared after every step)."""
+    does (--check-every 1: the replicas were compared after every step). The first run also
+    takes a config file whose optimizer, loss and schedule keys your own objects replace:
+    they are named once, and not used."""
     runs = {}
-    for name, devices, batch, parallel in [("one", ["cpu"], 10, "threads"),
-                                           ("threads", ["cpu", "cpu"], 5, "threads"),
-                                           ("processes", ["cpu", "cpu"], 5, "processes")]:
-        setup = setup_of(tiny, tmp_path, devices, batch, name, parallel, **EXACT)
+    resnet50 = str(REPO / "configs" / "resnet50.toml")
+    for name, devices, batch, parallel, config in [
+            ("one", ["cpu"], 10, "threads", resnet50),
+            ("threads", ["cpu", "cpu"], 5, "threads", ""),
+            ("processes", ["cpu", "cpu"], 5, "processes", "")]:
+        setup = setup_of(tiny, tmp_path, devices, batch, name, parallel, config=config, **EXACT)
         history = app.train(setup, loss=nn.CrossEntropyLoss(), logger=[])
         assert list(history.epoch) == [1]
         assert checkpoint.load(setup.run_dir / "checkpoints" / "last.pt")["step"] == 15
         runs[name] = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    [ignored] = [m for m in caplog.messages if m.startswith("ignored from")]
+    assert ignored == (
+        f"ignored from {resnet50}: your model replaces arch = 'resnet50'; your train_set "
+        "replaces dataset = 'imagenet_local'; your optimizer replaces optimizer = 'sgd', "
+        "lr = 0.1, momentum = 0.9, nesterov = False, weight_decay = 0.0001; your loss replaces "
+        "label_smoothing = 0.1; your schedule replaces schedule = 'cosine', warmup_epochs = 5")
+    assert "label_smoothing = 0.1" not in (tmp_path / "one" / "config.toml").read_text()
     assert runs["one"]["head.weight"].dtype == torch.float32  # the caller's model, as it was
     assert relative_difference(runs["one"], runs["threads"]) < 1e-9
     assert relative_difference(runs["one"], runs["processes"]) < 1e-9
@@ -171,11 +182,25 @@ def other_model_optimizer(model):
     return torch.optim.SGD(TinyNet().parameters(), lr=0.1)
 
 
+NO_RESTARTS = ("max_restarts= is not a knob here; app.train raises a replica's error in your "
+               "thread: continue with app.train(setup, ..., resume=True)")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"devices": ["cpu", "cuda:7"]}, "devices=['cpu', 'cuda:7']: device cuda:7 not available"),
     ({"devices": ["tpu"]}, "devices=['tpu']: unknown device 'tpu'; use cpu, cuda or cuda:N"),
     ({"optimizer": other_model_optimizer}, "optimizer: built on parameters that are not the "
                                            "model's"),
+    ({"lr": 0.3, "momentum": 0}, "prepare_training: lr=, momentum= shape(s) the config's "
+                                 "optimizer, but you pass your own optimizer=: set it there, or "
+                                 "pass optimizer=None"),
+    ({"compile": "on"}, "compile='on': torch.compile is not thread-safe, so threads train "
+                        "eagerly; use parallel='processes' to compile"),
+    ({"sync": "allreduce"}, "sync='allreduce' needs a process per replica (torch.distributed); "
+                            "threads average through the parameter server: drop sync= or use "
+                            "parallel='processes'"),
+    ({"max_restarts": 1}, NO_RESTARTS),
+    ({"max_restarts": 1, "parallel": "processes"}, NO_RESTARTS),
     ({"model": lambda: TinyNet(classes=1000)}, "model: its output for one image has shape "
                                                "(1, 1000), but the train set has 10 classes"),
     ({"lable_smoothing": 0.1}, "unknown keyword lable_smoothing=; did you mean "
@@ -194,15 +219,21 @@ def test_bad_arguments_are_one_line_before_any_thread_starts(tiny, change, messa
     assert set(threading.enumerate()) == before
 
 
-@pytest.mark.parametrize("loss, parallel, message", [
-    (nn.CrossEntropyLoss(reduction="none"), "threads", "loss: returned (2,) for a batch of 2, "
-                                                       "not a scalar tensor"),
-    (lambda logits, targets: logits.sum(), "processes", "loss: does not pickle"),
+@pytest.mark.parametrize("loss, parallel, knobs, message", [
+    (nn.CrossEntropyLoss(reduction="none"), "threads", {}, "loss: returned (2,) for a batch of "
+                                                           "2, not a scalar tensor"),
+    (lambda logits, targets: logits.sum(), "processes", {}, "loss: does not pickle"),
+    (nn.CrossEntropyLoss(), "threads", {"label_smoothing": 0.1},
+     "prepare_training: label_smoothing= shape(s) the config's loss, but you pass your own "
+     "loss=: build it into yours, or pass loss=None"),
+    (nn.CrossEntropyLoss(), "threads", {"warmup_epochs": 1, "lr_min": 0.01},  # schedule=None
+     "prepare_training: warmup_epochs=, lr_min= shape(s) the config's schedule, but you "
+     "pass your own schedule=: pass schedule=\"cosine\""),
 ])
-def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, parallel,
+def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, parallel, knobs,
                                                          message):
     before = set(threading.enumerate())
-    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "bad", parallel)
+    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "bad", parallel, **knobs)
     with pytest.raises(UserError, match=re.escape(message)):
         app.train(setup, loss=loss, logger=[])
     assert set(threading.enumerate()) == before

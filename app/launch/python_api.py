@@ -11,6 +11,7 @@ return. See docs/python-api.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import sys
 import time
@@ -41,6 +42,8 @@ from app.training.batch_layout import resumed_job
 from app.training.job import TrainJob
 from app.training.user_parts import UserParts
 
+log = logging.getLogger("imagenet_dp")
+
 
 def open_catalog(path: str | Path = "datasets.toml") -> Catalog:
     """The dataset catalog: ./datasets.toml (else the project's), or the one at `path`."""
@@ -57,6 +60,7 @@ class TrainingSetup:
     optimizer: Any
     config: Config  # resolved: run name, image size, replicas as threads or processes
     knobs: dict[str, Any]
+    config_file: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -109,7 +113,7 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
                                  image_size=image, classes=list(train_set.classes.wnids)),
         model=dataclasses.replace(resolved_config.model, arch=arch),
         run=dataclasses.replace(run, name=name))
-    return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs)
+    return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs, config)
 
 
 def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, schedule: Any = None,
@@ -122,10 +126,12 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     the enclosing app.logging_to's, else the console's, or the notebook's in Jupyter).
     resume: True continues setup.run_dir's last checkpoint, "auto" if there is one.
     An interrupt saves a checkpoint after the current step and returns the history so far."""
-    config = setup.config
-    api_inputs.check_loss(loss, setup.train_set.num_classes, config)
-    api_inputs.check_schedule(schedule, config)
-    api_inputs.check_schedule_knobs(schedule, setup.knobs)
+    api_inputs.check_loss(loss, setup.train_set.num_classes, setup.config)
+    api_inputs.check_schedule(schedule, setup.config)
+    replaced = api_inputs.replaced(setup.optimizer, loss, schedule)
+    api_inputs.refuse_replaced_knobs(setup.knobs, replaced)
+    config = api_inputs.with_defaults(setup.config, [arg for arg in ("loss", "schedule")
+                                                     if arg in replaced])
     config = with_schedule_name(config, schedule)
     parts = UserParts(setup.model, setup.optimizer, schedule, loss)
     if not in_threads(setup):
@@ -133,6 +139,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
                                     "optimizer": parts.optimizer_spec, "schedule": schedule})
     job = train_job(setup, config, val_split(setup, val), resume_point(setup, resume))
     job = resumed_job(job, len(setup.devices))  # on other devices: the same global batch
+    ignored = api_inputs.ignored_from_file(setup.config_file, replaced)
+    if ignored:
+        log.warning("%s", ignored)
     write_run_folder(job)
     preflight.check(job, saves=True)
     relay_queue = relay_for(setup)
