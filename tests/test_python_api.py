@@ -19,6 +19,7 @@ import torch.nn as nn
 import app
 from app.runtime.errors import UserError
 from app.training import checkpoint
+from app.training.user_parts import UserParts
 from conftest import REPO
 
 TABLE = "LOC_train_solution.csv"  # 141 images of the tiny sample: a short last step
@@ -129,16 +130,24 @@ def interrupting_loss(at_call: int, announcements: Announcements):
     return loss
 
 
+def decaying(optimizer, steps=60):
+    """optimizer -> scheduler, with a parameter that has a default (not a factor(epoch, step))."""
+    return torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=steps)
+
+
 def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    """The LR decays over the run (a scheduler of the caller's), and resumes with it."""
     before = set(threading.enumerate())
     flags = {"epochs": 2, "print_freq": 1}
     straight = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "straight", **flags)
-    assert len(app.train(straight, loss=slow_loss, logger=[])) == 2
+    history = app.train(straight, loss=slow_loss, logger=[], schedule=decaying)
+    assert len(history) == 2 and history.lr.iloc[-1] < 0.15  # from 0.2 towards 0.1 at step 30
 
     stopped = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "stopped", **flags)
     announcements = Announcements(sys.stderr)
     monkeypatch.setattr(sys, "stderr", announcements)
-    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[])
+    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[],
+                        schedule=decaying)
     monkeypatch.undo()
     assert set(threading.enumerate()) == before  # every replica and the server thread ended
     assert list(history.epoch) == [1]  # the history so far
@@ -146,9 +155,9 @@ def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypa
     # replica 0 was held inside step 18 (the 3rd of epoch 2) until the stop was asked
     assert saved["epoch"] == 1 and 18 <= saved["step"] <= 19
     with pytest.raises(UserError, match="resume=True"):
-        app.train(stopped, loss=slow_loss, logger=[])
+        app.train(stopped, loss=slow_loss, logger=[], schedule=decaying)
 
-    history = app.train(stopped, loss=slow_loss, logger=[], resume=True)
+    history = app.train(stopped, loss=slow_loss, logger=[], resume=True, schedule=decaying)
     assert list(history.epoch) == [1, 2]
     for key, value in straight.model.state_dict().items():
         assert torch.equal(value, stopped.model.state_dict()[key]), key
@@ -238,6 +247,27 @@ def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, p
         app.train(setup, loss=loss, logger=[])
     assert set(threading.enumerate()) == before
     assert not (setup.run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("schedule, factors", [
+    (None, [1, 1, 1, 1]),  # constant
+    (lambda epoch, step: 0.5 ** epoch + step / 100, [1, 1.01, 0.5, 0.51]),  # 2 steps an epoch
+    (torch.optim.lr_scheduler.LinearLR, [1 / 3, 7 / 15, 3 / 5, 11 / 15]),  # its defaults
+    (torch.optim.lr_scheduler.PolynomialLR, [1, 0.8, 0.6, 0.4]),
+    (lambda optimizer, n=4: torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=n),
+     [1, 0.75, 0.5, 0.25]),
+])
+def test_a_schedule_is_constant_a_factor_or_an_optimizer_to_scheduler_function(schedule,
+                                                                               factors):
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    scheduler = UserParts(model, schedule=schedule).scheduler(optimizer, None, 2)
+    lrs = []
+    for _ in factors:
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.2 * factor for factor in factors])
 
 
 STDIN_SCRIPT = """
