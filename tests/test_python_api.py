@@ -191,6 +191,11 @@ def other_model_optimizer(model):
     return torch.optim.SGD(TinyNet().parameters(), lr=0.1)
 
 
+def factory(build):
+    """What the test passes as optimizer=: a function parameters -> `build(parameters)`."""
+    return lambda model: (lambda parameters: build(parameters))
+
+
 NO_RESTARTS = ("max_restarts= is not a knob here; app.train raises a replica's error in your "
                "thread: continue with app.train(setup, ..., resume=True)")
 
@@ -200,6 +205,10 @@ NO_RESTARTS = ("max_restarts= is not a knob here; app.train raises a replica's e
     ({"devices": ["tpu"]}, "devices=['tpu']: unknown device 'tpu'; use cpu, cuda or cuda:N"),
     ({"optimizer": other_model_optimizer}, "optimizer: built on parameters that are not the "
                                            "model's"),
+    ({"optimizer": factory(lambda parameters: torch.optim.SGD(TinyNet().parameters(), lr=0.1))},
+     "optimizer: built on parameters that are not the model's"),
+    ({"optimizer": factory(list)}, "optimizer: your function returned list, not a "
+                                   "torch.optim.Optimizer"),
     ({"lr": 0.3, "momentum": 0}, "prepare_training: lr=, momentum= shape(s) the config's "
                                  "optimizer, but you pass your own optimizer=: set it there, or "
                                  "pass optimizer=None"),

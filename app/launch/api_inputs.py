@@ -197,11 +197,21 @@ def check_model(model: Any, num_classes: int, image_size: int) -> None:
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:
     if optimizer is None or isinstance(optimizer, str):
         return
-    if isinstance(optimizer, torch.optim.Optimizer):
-        parameter_index(optimizer, model)
-    elif not callable(optimizer):
+    if callable(optimizer):  # a factory: tried once here on the model's parameters
+        try:
+            optimizer = optimizer(model.parameters())
+        except Exception as error:
+            error.add_note("raised by optimizer=, called on model.parameters() in "
+                           "prepare_training")
+            raise
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"optimizer: your function returned {type(optimizer).__name__}, "
+                            "not a torch.optim.Optimizer; return one built on the parameters "
+                            "it is given")
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(f"optimizer: got {type(optimizer).__name__}; pass an optimizer built on "
                         "model.parameters(), a function parameters -> optimizer, or a name")
+    parameter_index(optimizer, model)
 
 
 def check_loss(loss: Any, num_classes: int, config: Config) -> None:

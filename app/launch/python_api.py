@@ -99,9 +99,9 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         raise UserError(f"train_set: got {type(train_set).__name__}; pass "
                         "catalog.dataset(name).solutions(...) or .split(\"train\")")
     resolved_config = api_inputs.api_config(knobs, config, optimizer, parallel, resolved)
-    api_inputs.check_optimizer(optimizer, model)
     image = resolved_config.data.image_size or train_set.root.image_size or DEFAULT_IMAGE_SIZE
     api_inputs.check_model(model, train_set.num_classes, image)
+    api_inputs.check_optimizer(optimizer, model)
     kind = type(model)
     arch = f"{kind.__module__}.{kind.__qualname__}"  # a class, not a name the factory knows
     run = resolved_config.run

@@ -121,7 +121,7 @@ def parameter_index(template: torch.optim.Optimizer, source: nn.Module) -> dict[
             if id(param) not in index:
                 raise UserError("optimizer: built on parameters that are not the model's (another "
                                 "model's, or a copy's); build it on model.parameters(), or pass "
-                                "a function parameters -> optimizer")
+                                "a function that builds it on the parameters it is given")
     return index
 
 
