@@ -279,6 +279,13 @@ def test_a_schedule_is_constant_a_factor_or_an_optimizer_to_scheduler_function(s
     assert lrs == pytest.approx([0.2 * factor for factor in factors])
 
 
+def test_setups_prepared_in_a_row_get_run_folders_of_their_own(tiny, tmp_path):
+    setups = [app.prepare_training(TinyNet(), tiny.solutions(TABLE), devices=["cpu"],
+                                   image_size=32, output_dir=str(tmp_path)) for _ in range(3)]
+    assert len({setup.run_dir for setup in setups}) == 3
+    assert all(setup.run_dir.is_dir() for setup in setups)
+
+
 STDIN_SCRIPT = """
 import sys
 import torch, torch.nn as nn

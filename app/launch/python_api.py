@@ -105,8 +105,9 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
     kind = type(model)
     arch = f"{kind.__module__}.{kind.__qualname__}"  # a class, not a name the factory knows
     run = resolved_config.run
-    name = run.name or (f"{train_set.root.name}-{kind.__name__.lower()}-"
-                        f"{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = run.name or reserved_run_name(Path(run.output_dir),
+                                         f"{train_set.root.name}-{kind.__name__.lower()}-{stamp}")
     resolved_config = dataclasses.replace(
         resolved_config,
         data=dataclasses.replace(resolved_config.data, dataset=train_set.root.name,
@@ -114,6 +115,22 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         model=dataclasses.replace(resolved_config.model, arch=arch),
         run=dataclasses.replace(run, name=name))
     return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs, config)
+
+
+def reserved_run_name(output_dir: Path, name: str) -> str:
+    """`name`, else name-2, name-3, ...: the first whose folder this call creates, so setups
+    prepared within one second (in a loop, or in two notebooks) get runs of their own."""
+    candidate, number = name, 1
+    while True:
+        try:
+            (output_dir / candidate).mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            number += 1
+            candidate = f"{name}-{number}"
+        except OSError as error:
+            raise UserError(f"cannot write the run folder {output_dir / candidate}: "
+                            f"{error.strerror}; pass another output_dir=") from None
 
 
 def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, schedule: Any = None,
