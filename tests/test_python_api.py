@@ -203,6 +203,9 @@ NO_RESTARTS = ("max_restarts= is not a knob here; app.train raises a replica's e
 @pytest.mark.parametrize("change, message", [
     ({"devices": ["cpu", "cuda:7"]}, "devices=['cpu', 'cuda:7']: device cuda:7 not available"),
     ({"devices": ["tpu"]}, "devices=['tpu']: unknown device 'tpu'; use cpu, cuda or cuda:N"),
+    pytest.param({"devices": 2}, "devices=2: this machine has no CUDA GPU; for replicas on the "
+                 "CPU pass devices=['cpu', 'cpu'], or \"all\"",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
     ({"optimizer": other_model_optimizer}, "optimizer: built on parameters that are not the "
                                            "model's"),
     ({"optimizer": factory(lambda parameters: torch.optim.SGD(TinyNet().parameters(), lr=0.1))},

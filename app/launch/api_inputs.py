@@ -151,6 +151,9 @@ def resolve_devices(devices: Any) -> list[str]:
     if devices == "all":
         return [f"cuda:{i}" for i in range(visible)] or ["cpu"]
     if isinstance(devices, int) and not isinstance(devices, bool):
+        if not visible:
+            raise UserError(f"devices={devices}: this machine has no CUDA GPU; for replicas on "
+                            f"the CPU pass devices={['cpu'] * max(devices, 1)}, or \"all\"")
         if not 1 <= devices <= visible:
             raise UserError(f"devices={devices}: this machine has {visible} CUDA GPU(s); pass "
                             f"at most {visible}, or a list such as [\"cpu\", \"cpu\"]")
