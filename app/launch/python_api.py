@@ -91,6 +91,9 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         "processes" (the driver's worker processes: model, loss and optimizer must pickle).
     config: a run config (TOML) under the keywords; knobs: any of its keys, as the driver's
         flags name them (label_smoothing=0.1, auto_augment="ta_wide", decoder="dali", ...).
+        The keys your own objects replace (arch by the model, lr by your optimizer,
+        label_smoothing by your loss, ...) are ignored from the file, named in one warning
+        by train, and refused as keywords.
     Every mistake is a UserError naming the argument, raised here, before anything runs."""
     resolved = api_inputs.resolve_devices(devices)
     sizes = {"batch_size": batch_size, "epochs": epochs, "image_size": image_size}
