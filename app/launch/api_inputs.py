@@ -77,7 +77,7 @@ def replaced(optimizer: Any, loss: Any = None, schedule: Any = "") -> list[str]:
 def refuse_replaced_knobs(knobs: dict[str, Any], arguments: list[str]) -> None:
     """Keywords that shape what one of your own objects replaces: one line for them all."""
     names = keyword_names()
-    for argument in KEEP_CONFIGS.keys() & set(arguments):
+    for argument in (argument for argument in arguments if argument in KEEP_CONFIGS):
         given = [f"{knob}=" for knob in knobs
                  if ".".join(names.get(knob, ())) in REPLACED_BY[argument]]
         if given:
