@@ -113,8 +113,11 @@ def test_a_renamed_key_says_its_new_name(tmp_path):
     (["--max-bad-fraction", "1.5"], "data.max_bad_fraction must be in [0, 1], got 1.5"),
     (["--momentum", "1"], "optim.momentum must be in [0, 1), got 1.0"),
     (["--sync-timeout", "0"], "parallel.sync_timeout must be positive"),
+    # the rules shared with the Python API, in the driver's words there
+    (["--replicas-as", "threads", "--compile", "on"], "--compile on: torch.compile is not "
+     "thread-safe, so threads train eagerly; use --replicas-as processes to compile"),
 ])
-def test_ranges_declared_beside_the_parameters_are_checked(flags, fragment):
+def test_ranges_and_rules_are_checked_in_the_flags_words(flags, fragment):
     with pytest.raises(UserError, match=re.escape(fragment)):
         parse_config(flags)
 

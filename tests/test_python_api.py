@@ -19,6 +19,7 @@ import torch.nn as nn
 import app
 from app.runtime.errors import UserError
 from app.training import checkpoint
+from app.training.user_parts import UserParts
 from conftest import REPO
 
 TABLE = "LOC_train_solution.csv"  # 141 images of the tiny sample: a short last step
@@ -62,18 +63,29 @@ def relative_difference(a: dict, b: dict) -> float:
 EXACT = {"epochs": 1, "dtype": "float64", "check_every": 1, "print_freq": 100}
 
 
-def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_path):
+def test_threads_and_processes_match_one_replica_with_twice_the_batch(tiny, tmp_path, caplog):
     """As tests/test_parallel.py's driver test: 2 x 5 images per step compute what 1 x 10
-    does (--check-every 1: the replicas were compared after every step)."""
+    does (--check-every 1: the replicas were compared after every step). The first run also
+    takes a config file whose optimizer, loss and schedule keys your own objects replace:
+    they are named once, and not used."""
     runs = {}
-    for name, devices, batch, parallel in [("one", ["cpu"], 10, "threads"),
-                                           ("threads", ["cpu", "cpu"], 5, "threads"),
-                                           ("processes", ["cpu", "cpu"], 5, "processes")]:
-        setup = setup_of(tiny, tmp_path, devices, batch, name, parallel, **EXACT)
+    resnet50 = str(REPO / "configs" / "resnet50.toml")
+    for name, devices, batch, parallel, config in [
+            ("one", ["cpu"], 10, "threads", resnet50),
+            ("threads", ["cpu", "cpu"], 5, "threads", ""),
+            ("processes", ["cpu", "cpu"], 5, "processes", "")]:
+        setup = setup_of(tiny, tmp_path, devices, batch, name, parallel, config=config, **EXACT)
         history = app.train(setup, loss=nn.CrossEntropyLoss(), logger=[])
         assert list(history.epoch) == [1]
         assert checkpoint.load(setup.run_dir / "checkpoints" / "last.pt")["step"] == 15
         runs[name] = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    [ignored] = [m for m in caplog.messages if m.startswith("ignored from")]
+    assert ignored == (
+        f"ignored from {resnet50}: your model replaces arch = 'resnet50'; your train_set "
+        "replaces dataset = 'imagenet_local'; your optimizer replaces optimizer = 'sgd', "
+        "lr = 0.1, momentum = 0.9, nesterov = False, weight_decay = 0.0001; your loss replaces "
+        "label_smoothing = 0.1; your schedule replaces schedule = 'cosine', warmup_epochs = 5")
+    assert "label_smoothing = 0.1" not in (tmp_path / "one" / "config.toml").read_text()
     assert runs["one"]["head.weight"].dtype == torch.float32  # the caller's model, as it was
     assert relative_difference(runs["one"], runs["threads"]) < 1e-9
     assert relative_difference(runs["one"], runs["processes"]) < 1e-9
@@ -118,16 +130,24 @@ def interrupting_loss(at_call: int, announcements: Announcements):
     return loss
 
 
+def decaying(optimizer, steps=60):
+    """optimizer -> scheduler, with a parameter that has a default (not a factor(epoch, step))."""
+    return torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=steps)
+
+
 def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    """The LR decays over the run (a scheduler of the caller's), and resumes with it."""
     before = set(threading.enumerate())
     flags = {"epochs": 2, "print_freq": 1}
     straight = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "straight", **flags)
-    assert len(app.train(straight, loss=slow_loss, logger=[])) == 2
+    history = app.train(straight, loss=slow_loss, logger=[], schedule=decaying)
+    assert len(history) == 2 and history.lr.iloc[-1] < 0.15  # from 0.2 towards 0.1 at step 30
 
     stopped = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "stopped", **flags)
     announcements = Announcements(sys.stderr)
     monkeypatch.setattr(sys, "stderr", announcements)
-    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[])
+    history = app.train(stopped, loss=interrupting_loss(18, announcements), logger=[],
+                        schedule=decaying)
     monkeypatch.undo()
     assert set(threading.enumerate()) == before  # every replica and the server thread ended
     assert list(history.epoch) == [1]  # the history so far
@@ -135,9 +155,9 @@ def test_an_interrupt_saves_returns_and_resumes_exactly(tiny, tmp_path, monkeypa
     # replica 0 was held inside step 18 (the 3rd of epoch 2) until the stop was asked
     assert saved["epoch"] == 1 and 18 <= saved["step"] <= 19
     with pytest.raises(UserError, match="resume=True"):
-        app.train(stopped, loss=slow_loss, logger=[])
+        app.train(stopped, loss=slow_loss, logger=[], schedule=decaying)
 
-    history = app.train(stopped, loss=slow_loss, logger=[], resume=True)
+    history = app.train(stopped, loss=slow_loss, logger=[], resume=True, schedule=decaying)
     assert list(history.epoch) == [1, 2]
     for key, value in straight.model.state_dict().items():
         assert torch.equal(value, stopped.model.state_dict()[key]), key
@@ -171,11 +191,37 @@ def other_model_optimizer(model):
     return torch.optim.SGD(TinyNet().parameters(), lr=0.1)
 
 
+def factory(build):
+    """What the test passes as optimizer=: a function parameters -> `build(parameters)`."""
+    return lambda model: (lambda parameters: build(parameters))
+
+
+NO_RESTARTS = ("max_restarts= is not a knob here; app.train raises a replica's error in your "
+               "thread: continue with app.train(setup, ..., resume=True)")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"devices": ["cpu", "cuda:7"]}, "devices=['cpu', 'cuda:7']: device cuda:7 not available"),
     ({"devices": ["tpu"]}, "devices=['tpu']: unknown device 'tpu'; use cpu, cuda or cuda:N"),
+    pytest.param({"devices": 2}, "devices=2: this machine has no CUDA GPU; for replicas on the "
+                 "CPU pass devices=['cpu', 'cpu'], or \"all\"",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
     ({"optimizer": other_model_optimizer}, "optimizer: built on parameters that are not the "
                                            "model's"),
+    ({"optimizer": factory(lambda parameters: torch.optim.SGD(TinyNet().parameters(), lr=0.1))},
+     "optimizer: built on parameters that are not the model's"),
+    ({"optimizer": factory(list)}, "optimizer: your function returned list, not a "
+                                   "torch.optim.Optimizer"),
+    ({"lr": 0.3, "momentum": 0}, "prepare_training: lr=, momentum= shape(s) the config's "
+                                 "optimizer, but you pass your own optimizer=: set it there, or "
+                                 "pass optimizer=None"),
+    ({"compile": "on"}, "compile='on': torch.compile is not thread-safe, so threads train "
+                        "eagerly; use parallel='processes' to compile"),
+    ({"sync": "allreduce"}, "sync='allreduce' needs a process per replica (torch.distributed); "
+                            "threads average through the parameter server: drop sync= or use "
+                            "parallel='processes'"),
+    ({"max_restarts": 1}, NO_RESTARTS),
+    ({"max_restarts": 1, "parallel": "processes"}, NO_RESTARTS),
     ({"model": lambda: TinyNet(classes=1000)}, "model: its output for one image has shape "
                                                "(1, 1000), but the train set has 10 classes"),
     ({"lable_smoothing": 0.1}, "unknown keyword lable_smoothing=; did you mean "
@@ -194,19 +240,53 @@ def test_bad_arguments_are_one_line_before_any_thread_starts(tiny, change, messa
     assert set(threading.enumerate()) == before
 
 
-@pytest.mark.parametrize("loss, parallel, message", [
-    (nn.CrossEntropyLoss(reduction="none"), "threads", "loss: returned (2,) for a batch of 2, "
-                                                       "not a scalar tensor"),
-    (lambda logits, targets: logits.sum(), "processes", "loss: does not pickle"),
+@pytest.mark.parametrize("loss, parallel, knobs, message", [
+    (nn.CrossEntropyLoss(reduction="none"), "threads", {}, "loss: returned (2,) for a batch of "
+                                                           "2, not a scalar tensor"),
+    (lambda logits, targets: logits.sum(), "processes", {}, "loss: does not pickle"),
+    (nn.CrossEntropyLoss(), "threads", {"label_smoothing": 0.1},
+     "prepare_training: label_smoothing= shape(s) the config's loss, but you pass your own "
+     "loss=: build it into yours, or pass loss=None"),
+    (nn.CrossEntropyLoss(), "threads", {"warmup_epochs": 1, "lr_min": 0.01},  # schedule=None
+     "prepare_training: warmup_epochs=, lr_min= shape(s) the config's schedule, but you "
+     "pass your own schedule=: pass schedule=\"cosine\""),
 ])
-def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, parallel,
+def test_a_bad_loss_is_refused_before_any_replica_starts(tiny, tmp_path, loss, parallel, knobs,
                                                          message):
     before = set(threading.enumerate())
-    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "bad", parallel)
+    setup = setup_of(tiny, tmp_path, ["cpu", "cpu"], 5, "bad", parallel, **knobs)
     with pytest.raises(UserError, match=re.escape(message)):
         app.train(setup, loss=loss, logger=[])
     assert set(threading.enumerate()) == before
     assert not (setup.run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("schedule, factors", [
+    (None, [1, 1, 1, 1]),  # constant
+    (lambda epoch, step: 0.5 ** epoch + step / 100, [1, 1.01, 0.5, 0.51]),  # 2 steps an epoch
+    (torch.optim.lr_scheduler.LinearLR, [1 / 3, 7 / 15, 3 / 5, 11 / 15]),  # its defaults
+    (torch.optim.lr_scheduler.PolynomialLR, [1, 0.8, 0.6, 0.4]),
+    (lambda optimizer, n=4: torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=n),
+     [1, 0.75, 0.5, 0.25]),
+])
+def test_a_schedule_is_constant_a_factor_or_an_optimizer_to_scheduler_function(schedule,
+                                                                               factors):
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    scheduler = UserParts(model, schedule=schedule).scheduler(optimizer, None, 2)
+    lrs = []
+    for _ in factors:
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.2 * factor for factor in factors])
+
+
+def test_setups_prepared_in_a_row_get_run_folders_of_their_own(tiny, tmp_path):
+    setups = [app.prepare_training(TinyNet(), tiny.solutions(TABLE), devices=["cpu"],
+                                   image_size=32, output_dir=str(tmp_path)) for _ in range(3)]
+    assert len({setup.run_dir for setup in setups}) == 3
+    assert all(setup.run_dir.is_dir() for setup in setups)
 
 
 STDIN_SCRIPT = """

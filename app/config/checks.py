@@ -4,12 +4,24 @@ is declared beside it in app/config/schema.py and checked here too, in one pass)
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 from app.config.schema import Config, DataConfig
 from app.runtime.errors import UserError
 
 
-def validate(config: Config) -> None:
+# How the user wrote a setting, for messages: flag_spelling for the driver ("--compile on"),
+# the Python API's keywords for prepare_training ("compile='on'"). `value` None: the name alone.
+Spelling = Callable[..., str]
+
+
+def flag_spelling(key: str, value: Any = None) -> str:
+    """The driver's flag for a config key (the keys named here have no alias)."""
+    flag = "--" + key.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
+def validate(config: Config, spell: Spelling = flag_spelling) -> None:
     """Each parameter's own range (declared beside it), then what involves several."""
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
@@ -28,7 +40,7 @@ def validate(config: Config) -> None:
     if config.parallel.gpus and config.parallel.devices:
         raise UserError("give either --gpus or --devices, not both")
     if config.parallel.replicas_as == "threads":
-        validate_threads(config)
+        validate_threads(config, spell)
     kinds = {device.split(":")[0] for device in config.parallel.devices}
     if {"cpu", "cuda"} <= kinds:
         # Replicas on both would step in different precisions and kernels (they must stay
@@ -53,16 +65,17 @@ def validate_progressive(data: DataConfig) -> None:
                         f"--progressive-start-epoch ({data.progressive_start_epoch})")
 
 
-def validate_threads(config: Config) -> None:
+def validate_threads(config: Config, spell: Spelling = flag_spelling) -> None:
     """What replicas that are threads of one process cannot do, each with its reason."""
+    processes = spell("replicas_as", "processes")
     if config.parallel.sync == "allreduce":
-        raise UserError("--sync allreduce needs a process per replica (torch.distributed); "
-                        "threads average through the parameter server: drop --sync or use "
-                        "--replicas-as processes")
+        raise UserError(f"{spell('sync', 'allreduce')} needs a process per replica "
+                        "(torch.distributed); threads average through the parameter server: "
+                        f"drop {spell('sync')} or use {processes}")
     if config.train.compile == "on":
         # pytorch/pytorch#118260, #136833: dynamo and inductor are not thread-safe
-        raise UserError("--compile on: torch.compile is not thread-safe, so threads train "
-                        "eagerly; use --replicas-as processes to compile")
+        raise UserError(f"{spell('compile', 'on')}: torch.compile is not thread-safe, so threads "
+                        f"train eagerly; use {processes} to compile")
     if config.run.max_restarts:
-        raise UserError("--max-restarts restarts worker processes; threads cannot be "
-                        "replaced: use --replicas-as processes, or resume after a failure")
+        raise UserError(f"{spell('max_restarts')} restarts worker processes; threads cannot be "
+                        f"replaced: use {processes}, or resume after a failure")

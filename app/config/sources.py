@@ -10,11 +10,11 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any
+from typing import Any, Collection
 
 import tomli_w
 
-from app.config.checks import validate
+from app.config.checks import Spelling, flag_spelling, validate
 from app.config.schema import RENAMED, SECTIONS, Config
 from app.config.tomlfile import read_toml
 from app.runtime.errors import UserError
@@ -78,7 +78,7 @@ def _describe(kind: Any) -> str:
 
 # --- TOML file --------------------------------------------------------------------------
 
-def _overrides_from_file(path: str) -> dict[tuple[str, str], Any]:
+def file_overrides(path: str) -> dict[tuple[str, str], Any]:
     data = read_toml(path, "run config")
     overrides = {}
     sections = _section_types()
@@ -145,7 +145,7 @@ def parse_config(argv: list[str] | None = None, *, extra: argparse.ArgumentParse
     overrides = {}
     source = {}
     if getattr(namespace, "config", None):
-        for key, value in _overrides_from_file(namespace.config).items():
+        for key, value in file_overrides(namespace.config).items():
             overrides[key] = value
             source[key] = namespace.config
     for dest, value in vars(namespace).items():
@@ -158,7 +158,8 @@ def parse_config(argv: list[str] | None = None, *, extra: argparse.ArgumentParse
 
 
 def make_config(overrides: dict[tuple[str, str], Any] | None = None,
-                source: dict[tuple[str, str], str] | None = None) -> Config:
+                source: dict[tuple[str, str], str] | None = None,
+                spell: Spelling = flag_spelling) -> Config:
     """A Config with `{(section, key): value}` applied and validated."""
     overrides = overrides or {}
     source = source or {}
@@ -180,7 +181,7 @@ def make_config(overrides: dict[tuple[str, str], Any] | None = None,
         if sec[0] not in sections:
             raise UserError(f"unknown config section [{sec[0]}]")
     config = Config(**built)
-    validate(config)
+    validate(config, spell)
     return config
 
 
@@ -200,11 +201,15 @@ def keyword_names() -> dict[str, tuple[str, str]]:
     return names
 
 
-def config_from_keywords(keywords: dict[str, Any], file: str = "", caller: str = "") -> Config:
-    """Defaults, then the TOML `file`, then `keywords`: the Python API's counterpart of
-    parse_config, checked by the same rules. An unknown keyword names the nearest known one."""
+def config_from_keywords(keywords: dict[str, Any], file: str = "", caller: str = "",
+                         ignore: Collection[tuple[str, str]] = (),
+                         spell: Spelling = flag_spelling) -> Config:
+    """Defaults, then the TOML `file` (less its keys in `ignore`), then `keywords`: the Python
+    API's counterpart of parse_config, checked by the same rules, its messages naming settings
+    as `spell` writes them. An unknown keyword names the nearest known one."""
     known = keyword_names()
-    overrides = _overrides_from_file(file) if file else {}
+    overrides = file_overrides(file) if file else {}
+    overrides = {key: value for key, value in overrides.items() if key not in ignore}
     source = dict.fromkeys(overrides, file)
     for name, value in keywords.items():
         if name not in known:
@@ -213,4 +218,4 @@ def config_from_keywords(keywords: dict[str, Any], file: str = "", caller: str =
             raise UserError(f"{caller}: unknown keyword {name}=; {hint}")
         overrides[known[name]] = value
         source[known[name]] = f"{caller}({name}=...)"
-    return make_config(overrides, source)
+    return make_config(overrides, source, spell)

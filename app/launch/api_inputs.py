@@ -6,6 +6,7 @@ process exists. What only a step can show (a loss that needs real data) is check
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sys
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from app.config import Config
-from app.config.sources import config_from_keywords
+from app.config.sources import config_from_keywords, file_overrides, keyword_names
 from app.runtime.devices import resolve_device
 from app.runtime.errors import UserError, first_line
 from app.training.user_parts import OPTIMIZER_NAMES, SCHEDULE_NAMES, parameter_index
@@ -29,29 +30,78 @@ OWN_ARGUMENTS = {
                     "the API trains the model you pass: build it as you like (timm.create_model, "
                     "torchvision.models, your own class)"),
     **dict.fromkeys(("resume", "evaluate", "use_ema"), "pass resume= to app.train"),
+    # The driver starts its processes again; app.train raises the failure in the caller instead.
+    **dict.fromkeys(("max_restarts",), "app.train raises a replica's error in your thread: "
+                    "continue with app.train(setup, ..., resume=True)"),
     **dict.fromkeys(("replicas_as",), "pass parallel=\"threads\" or \"processes\""),
     **dict.fromkeys(("schedule",), "pass schedule= to app.train (a name such as \"cosine\" "
                     "takes the config's)"),
     **dict.fromkeys(("loggers",), "pass logger= to app.train, or use app.logging_to"),
 }
-OPTIMIZER_KNOBS = ("lr", "momentum", "nesterov", "weight_decay", "wd", "norm_weight_decay",
-                   "bias_weight_decay")
-SCHEDULE_KNOBS = ("warmup_epochs", "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay",
-                  "lr_min", "lr_poly_power", "lr_peak_epoch", "step_epochs", "step_gamma")
-LOSS_KNOBS = ("label_smoothing", "bce_loss", "bce_target_thresh")
+
+
+def keys(section: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{section}.{name}" for name in names)
+
+
+# The config keys each argument stands in for. From a config file they are ignored (and named
+# once, in a warning), as keywords beside your own object refused. The first four are always
+# the caller's; optimizer, loss and schedule when they are objects (not None or a name).
+REPLACED_BY = {
+    "model": keys("model", "arch", "norm", "drop_path", "model_kwargs", "pretrained"),
+    "train_set": keys("data", "dataset", "catalog", "classes", "train_index"),
+    "devices": (*keys("parallel", "gpus", "devices"), "train.device"),
+    "resume": keys("run", "resume", "evaluate", "use_ema", "max_restarts"),
+    "optimizer": keys("optim", "optimizer", "lr", "momentum", "nesterov", "weight_decay",
+                      "norm_weight_decay", "bias_weight_decay"),
+    "loss": ("optim.label_smoothing", *keys("model", "bce_loss", "bce_target_thresh")),
+    "schedule": keys("optim", "schedule", "warmup_epochs", "lr_warmup_method",
+                     "lr_warmup_decay", "lr_min", "lr_poly_power", "lr_peak_epoch",
+                     "step_epochs", "step_gamma"),
+}
+KEEP_CONFIGS = {
+    "optimizer": "set it there, or pass optimizer=None or a name "
+                 f"({', '.join(OPTIMIZER_NAMES)})",
+    "loss": "build it into yours, or pass loss=None",
+    "schedule": "pass schedule=\"cosine\" (or another name) to app.train to use it",
+}
+
+
+def replaced(optimizer: Any, loss: Any = None, schedule: Any = "") -> list[str]:
+    """The arguments whose values stand in for config keys (REPLACED_BY)."""
+    given = {"optimizer": not (optimizer is None or isinstance(optimizer, str)),
+             "loss": loss is not None, "schedule": not isinstance(schedule, str)}
+    return ["model", "train_set", "devices", "resume", *(k for k, v in given.items() if v)]
+
+
+def refuse_replaced_knobs(knobs: dict[str, Any], arguments: list[str]) -> None:
+    """Keywords that shape what one of your own objects replaces: one line for them all."""
+    names = keyword_names()
+    for argument in (argument for argument in arguments if argument in KEEP_CONFIGS):
+        given = [f"{knob}=" for knob in knobs
+                 if ".".join(names.get(knob, ())) in REPLACED_BY[argument]]
+        if given:
+            raise UserError(f"prepare_training: {', '.join(given)} shape(s) the config's "
+                            f"{argument}, but you pass your own {argument}=: "
+                            f"{KEEP_CONFIGS[argument]}")
+
+
+def api_spelling(key: str, value: Any = None) -> str:
+    """A setting as a caller of prepare_training writes it: compile='on', parallel='processes'."""
+    name = {"replicas_as": "parallel"}.get(key, key)
+    return f"{name}=" if value is None else f"{name}={value!r}"
 
 
 def api_config(knobs: dict[str, Any], config_file: str, optimizer: Any, parallel: str,
                devices: list[str]) -> Config:
     """The run config: defaults < `config_file` < keywords; the API's own arguments set the
-    keys they stand for."""
+    keys they stand for, and the file's keys that they replace are left out."""
     for name in knobs:
         if name in OWN_ARGUMENTS:
             raise UserError(f"prepare_training: {name}= is not a knob here; {OWN_ARGUMENTS[name]}")
-        if name in OPTIMIZER_KNOBS and not (optimizer is None or isinstance(optimizer, str)):
-            raise UserError(f"prepare_training: {name}= configures the config's optimizer, but "
-                            "you passed your own: set it there, or pass optimizer=None or a "
-                            f"name ({', '.join(OPTIMIZER_NAMES)})")
+    arguments = replaced(optimizer)
+    refuse_replaced_knobs(knobs, arguments)
+    ignore = {tuple(key.split(".")) for argument in arguments for key in REPLACED_BY[argument]}
     own: dict[str, Any] = {"devices": devices}
     if parallel:
         own["replicas_as"] = parallel
@@ -60,11 +110,38 @@ def api_config(knobs: dict[str, Any], config_file: str, optimizer: Any, parallel
             raise UserError(f"optimizer={optimizer!r}: give an optimizer, a function "
                             f"parameters -> optimizer, or one of {', '.join(OPTIMIZER_NAMES)}")
         own["optimizer"] = optimizer
-    config = config_from_keywords({**knobs, **own}, config_file, "prepare_training")
+    config = config_from_keywords({**knobs, **own}, config_file, "prepare_training", ignore,
+                                  api_spelling)
     if config.parallel.replicas_as == "auto":  # from Python, threads unless asked otherwise
         config = config_from_keywords({**knobs, **own, "replicas_as": "threads"}, config_file,
-                                      "prepare_training")
+                                      "prepare_training", ignore, api_spelling)
     return config
+
+
+def ignored_from_file(config_file: str, arguments: list[str]) -> str:
+    """The warning naming what of `config_file` the caller's arguments replace ("" if none)."""
+    if not config_file:
+        return ""
+    from_file = {".".join(key): value for key, value in file_overrides(config_file).items()}
+    parts = []
+    for argument in arguments:
+        values = [f"{key.split('.')[1]} = {from_file[key]!r}" for key in REPLACED_BY[argument]
+                  if key in from_file]
+        if values:
+            parts.append(f"your {argument} replaces {', '.join(values)}")
+    return f"ignored from {config_file}: {'; '.join(parts)}" if parts else ""
+
+
+def with_defaults(config: Config, arguments: list[str]) -> Config:
+    """`config` with the keys these arguments replace back at their defaults (the file's
+    values are not what the run uses, so config.toml does not show them)."""
+    default = Config()
+    changed = {}
+    for key in (key for argument in arguments for key in REPLACED_BY[argument]):
+        section, name = key.split(".")
+        changed.setdefault(section, {})[name] = getattr(getattr(default, section), name)
+    return dataclasses.replace(config, **{section: dataclasses.replace(
+        getattr(config, section), **values) for section, values in changed.items()})
 
 
 def resolve_devices(devices: Any) -> list[str]:
@@ -74,6 +151,9 @@ def resolve_devices(devices: Any) -> list[str]:
     if devices == "all":
         return [f"cuda:{i}" for i in range(visible)] or ["cpu"]
     if isinstance(devices, int) and not isinstance(devices, bool):
+        if not visible:
+            raise UserError(f"devices={devices}: this machine has no CUDA GPU; for replicas on "
+                            f"the CPU pass devices={['cpu'] * max(devices, 1)}, or \"all\"")
         if not 1 <= devices <= visible:
             raise UserError(f"devices={devices}: this machine has {visible} CUDA GPU(s); pass "
                             f"at most {visible}, or a list such as [\"cpu\", \"cpu\"]")
@@ -120,14 +200,24 @@ def check_model(model: Any, num_classes: int, image_size: int) -> None:
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:
     if optimizer is None or isinstance(optimizer, str):
         return
-    if isinstance(optimizer, torch.optim.Optimizer):
-        parameter_index(optimizer, model)
-    elif not callable(optimizer):
+    if callable(optimizer):  # a factory: tried once here on the model's parameters
+        try:
+            optimizer = optimizer(model.parameters())
+        except Exception as error:
+            error.add_note("raised by optimizer=, called on model.parameters() in "
+                           "prepare_training")
+            raise
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"optimizer: your function returned {type(optimizer).__name__}, "
+                            "not a torch.optim.Optimizer; return one built on the parameters "
+                            "it is given")
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(f"optimizer: got {type(optimizer).__name__}; pass an optimizer built on "
                         "model.parameters(), a function parameters -> optimizer, or a name")
+    parameter_index(optimizer, model)
 
 
-def check_loss(loss: Any, num_classes: int, knobs: Config) -> None:
+def check_loss(loss: Any, num_classes: int, config: Config) -> None:
     """A callable whose value for a blank batch is a scalar tensor (a loss that fails on it
     is left to the first step)."""
     if loss is None:
@@ -135,11 +225,7 @@ def check_loss(loss: Any, num_classes: int, knobs: Config) -> None:
     if not callable(loss):
         raise UserError(f"loss: got {type(loss).__name__}; pass a callable (logits, targets) -> "
                         "scalar tensor, such as torch.nn.CrossEntropyLoss()")
-    for name in LOSS_KNOBS:
-        if getattr(knobs.optim, name, None) or getattr(knobs.model, name, None):
-            raise UserError(f"loss: {name}= configures the config's loss, but you passed your "
-                            "own: build it into yours, or pass loss=None")
-    mixing = knobs.augment.mixup_alpha or knobs.augment.cutmix_alpha
+    mixing = config.augment.mixup_alpha or config.augment.cutmix_alpha
     targets = torch.full((2, num_classes), 1 / num_classes) if mixing else \
         torch.zeros(2, dtype=torch.long)
     try:
@@ -188,11 +274,3 @@ def defined_by(value: Any) -> list:
     if isinstance(value, nn.Module):
         return list(dict.fromkeys(type(module) for module in value.modules()))
     return [value if isinstance(value, type) or callable(value) else type(value)]
-
-
-def check_schedule_knobs(schedule: Any, knobs: dict[str, Any]) -> None:
-    given = [name for name in SCHEDULE_KNOBS if name in knobs]
-    if given and not isinstance(schedule, str):
-        raise UserError(f"{given[0]}= shapes the config's schedule; pass schedule=\"cosine\" (or "
-                        "another name) to app.train to use it")
-

@@ -11,6 +11,7 @@ return. See docs/python-api.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import sys
 import time
@@ -41,6 +42,8 @@ from app.training.batch_layout import resumed_job
 from app.training.job import TrainJob
 from app.training.user_parts import UserParts
 
+log = logging.getLogger("imagenet_dp")
+
 
 def open_catalog(path: str | Path = "datasets.toml") -> Catalog:
     """The dataset catalog: ./datasets.toml (else the project's), or the one at `path`."""
@@ -57,6 +60,7 @@ class TrainingSetup:
     optimizer: Any
     config: Config  # resolved: run name, image size, replicas as threads or processes
     knobs: dict[str, Any]
+    config_file: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -87,6 +91,9 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         "processes" (the driver's worker processes: model, loss and optimizer must pickle).
     config: a run config (TOML) under the keywords; knobs: any of its keys, as the driver's
         flags name them (label_smoothing=0.1, auto_augment="ta_wide", decoder="dali", ...).
+        The keys your own objects replace (arch by the model, lr by your optimizer,
+        label_smoothing by your loss, ...) are ignored from the file, named in one warning
+        by train, and refused as keywords.
     Every mistake is a UserError naming the argument, raised here, before anything runs."""
     resolved = api_inputs.resolve_devices(devices)
     sizes = {"batch_size": batch_size, "epochs": epochs, "image_size": image_size}
@@ -95,21 +102,38 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
         raise UserError(f"train_set: got {type(train_set).__name__}; pass "
                         "catalog.dataset(name).solutions(...) or .split(\"train\")")
     resolved_config = api_inputs.api_config(knobs, config, optimizer, parallel, resolved)
-    api_inputs.check_optimizer(optimizer, model)
     image = resolved_config.data.image_size or train_set.root.image_size or DEFAULT_IMAGE_SIZE
     api_inputs.check_model(model, train_set.num_classes, image)
+    api_inputs.check_optimizer(optimizer, model)
     kind = type(model)
     arch = f"{kind.__module__}.{kind.__qualname__}"  # a class, not a name the factory knows
     run = resolved_config.run
-    name = run.name or (f"{train_set.root.name}-{kind.__name__.lower()}-"
-                        f"{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = run.name or reserved_run_name(Path(run.output_dir),
+                                         f"{train_set.root.name}-{kind.__name__.lower()}-{stamp}")
     resolved_config = dataclasses.replace(
         resolved_config,
         data=dataclasses.replace(resolved_config.data, dataset=train_set.root.name,
                                  image_size=image, classes=list(train_set.classes.wnids)),
         model=dataclasses.replace(resolved_config.model, arch=arch),
         run=dataclasses.replace(run, name=name))
-    return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs)
+    return TrainingSetup(model, train_set, resolved, optimizer, resolved_config, knobs, config)
+
+
+def reserved_run_name(output_dir: Path, name: str) -> str:
+    """`name`, else name-2, name-3, ...: the first whose folder this call creates, so setups
+    prepared within one second (in a loop, or in two notebooks) get runs of their own."""
+    candidate, number = name, 1
+    while True:
+        try:
+            (output_dir / candidate).mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            number += 1
+            candidate = f"{name}-{number}"
+        except OSError as error:
+            raise UserError(f"cannot write the run folder {output_dir / candidate}: "
+                            f"{error.strerror}; pass another output_dir=") from None
 
 
 def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, schedule: Any = None,
@@ -122,10 +146,12 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     the enclosing app.logging_to's, else the console's, or the notebook's in Jupyter).
     resume: True continues setup.run_dir's last checkpoint, "auto" if there is one.
     An interrupt saves a checkpoint after the current step and returns the history so far."""
-    config = setup.config
-    api_inputs.check_loss(loss, setup.train_set.num_classes, config)
-    api_inputs.check_schedule(schedule, config)
-    api_inputs.check_schedule_knobs(schedule, setup.knobs)
+    api_inputs.check_loss(loss, setup.train_set.num_classes, setup.config)
+    api_inputs.check_schedule(schedule, setup.config)
+    replaced = api_inputs.replaced(setup.optimizer, loss, schedule)
+    api_inputs.refuse_replaced_knobs(setup.knobs, replaced)
+    config = api_inputs.with_defaults(setup.config, [arg for arg in ("loss", "schedule")
+                                                     if arg in replaced])
     config = with_schedule_name(config, schedule)
     parts = UserParts(setup.model, setup.optimizer, schedule, loss)
     if not in_threads(setup):
@@ -133,6 +159,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
                                     "optimizer": parts.optimizer_spec, "schedule": schedule})
     job = train_job(setup, config, val_split(setup, val), resume_point(setup, resume))
     job = resumed_job(job, len(setup.devices))  # on other devices: the same global batch
+    ignored = api_inputs.ignored_from_file(setup.config_file, replaced)
+    if ignored:
+        log.warning("%s", ignored)
     write_run_folder(job)
     preflight.check(job, saves=True)
     relay_queue = relay_for(setup)

@@ -84,14 +84,18 @@ def epoch_and_step(factor: Callable[[int, int], float], steps_per_epoch: int
 
 
 def takes_epoch_and_step(function: Callable) -> bool:
-    """Two positional parameters: factor(epoch, step); one: scheduler(optimizer)."""
+    """Two required positional parameters: factor(epoch, step); one: scheduler(optimizer). An
+    LR scheduler class is a scheduler factory whatever its defaults (LinearLR(optimizer,
+    start_factor=..., ...)); so is `lambda optimizer, n=10: ...`."""
+    if isinstance(function, type) and issubclass(function, torch.optim.lr_scheduler.LRScheduler):
+        return False
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
-                                                      p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2
+    required = [p for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) >= 2
 
 
 def replica_optimizer(template: torch.optim.Optimizer, source: nn.Module, replica: nn.Module
@@ -117,7 +121,7 @@ def parameter_index(template: torch.optim.Optimizer, source: nn.Module) -> dict[
             if id(param) not in index:
                 raise UserError("optimizer: built on parameters that are not the model's (another "
                                 "model's, or a copy's); build it on model.parameters(), or pass "
-                                "a function parameters -> optimizer")
+                                "a function that builds it on the parameters it is given")
     return index
 
 
