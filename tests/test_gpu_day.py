@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from app.bench import gpu_day_parts
@@ -25,11 +26,12 @@ def writes_report(name: str, figures: dict) -> Part:
                 summary=lambda f: [f"- value {f['value']}"])
 
 
-def overruns(seen: Path, child_pid: Path) -> Part:
-    """Checks that the first part's report is already on disk, starts a child that would
-    outlive it, then sleeps far past its deadline."""
-    code = ("import os, subprocess, sys, time, pathlib\n"
+def overruns(seen: Path, archive: Path, child_pid: Path) -> Part:
+    """Checks that the first part's report is already on disk, and in the archive, starts a
+    child that would outlive it, then sleeps far past its deadline."""
+    code = ("import os, subprocess, sys, tarfile, time, pathlib\n"
             f"assert pathlib.Path({str(seen)!r}).exists(), 'no report of the first part yet'\n"
+            f"assert 'out/first.json' in tarfile.open({str(archive)!r}).getnames()\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
             f"pathlib.Path({str(child_pid)!r}).write_text(str(child.pid))\n"
             "print('started', flush=True)\n"
@@ -47,10 +49,11 @@ def alive(pid: int) -> bool:
 
 
 def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_path):
-    paths = Paths(tmp_path / "out", tmp_path / "work")
+    paths = Paths(tmp_path / "out", tmp_path / "work", tmp_path / "back" / "gpu-day.tar.gz")
     child_pid = tmp_path / "child.pid"
+    paths.archive.parent.mkdir()
     parts = [writes_report("first", {"value": 1}),
-             overruns(paths.out / "first.json", child_pid),
+             overruns(paths.out / "first.json", paths.archive, child_pid),
              writes_report("after", {"value": 3})]
     outcomes = run_parts(parts, 60, paths, dict(os.environ))
     assert [o["status"] for o in outcomes] == ["ok", "killed at its deadline (3 s)", "ok"]
@@ -63,6 +66,9 @@ def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_pa
     summary = (paths.out / "summary.md").read_text()
     assert "| slow | sleeps past its deadline | killed at its deadline (3 s) |" in summary
     assert "## first\n\n- value 1" in summary and "## after\n\n- value 3" in summary
+    with tarfile.open(paths.archive) as archive:  # the whole folder, as the last part left it
+        assert archive.extractfile("out/summary.md").read().decode() == summary
+        assert {"out/first.json", "out/slow.log", "out/after.json"} <= set(archive.getnames())
 
 
 def test_the_budget_is_shared_out_and_a_part_without_any_is_not_started(tmp_path):
@@ -168,8 +174,12 @@ def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path)
 
 def test_gpu_day_probes_a_machine_without_a_gpu(tmp_path):
     result = bench("gpu-day", "--parts", "probe", "--budget", "60", "--out",
-                   str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+                   str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--archive",
+                   str(tmp_path / "gd.tar.gz"))
     assert result.returncode == 0, result.stderr[-2000:]
+    with tarfile.open(tmp_path / "gd.tar.gz") as archive:
+        assert set(archive.getnames()) == {"out", "out/probe.json", "out/probe.log",
+                                           "out/probe.report.json", "out/summary.md"}
     probe = json.loads((tmp_path / "out" / "probe.json").read_text())
     assert probe["status"] == "ok" and probe["figures"]["gpus"] == []
     assert "- GPUs: none" in (tmp_path / "out" / "summary.md").read_text()

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     day.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "imagenet-dp-gpu-day"),
                      help="compile caches, the generated sample and run folders (kept out of "
                      "--out)")
+    day.add_argument("--archive", help="also pack --out into this .tar.gz after each part "
+                     "(a device call brings back at most 8 files: name one under $OUT, and "
+                     "--out outside it)")
     day.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
                      "gpu-day --list names them)")
     day.add_argument("--list", action="store_true", help="name the parts and their deadlines, "
@@ -301,10 +304,12 @@ def main(argv: list[str]) -> int:
     elif args.command == "gpu-day":
         from app.bench import gpu_day_parts as bench  # noqa: PLC0415
         if args.list:
-            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}" for p in bench.PARTS))
+            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}"
+                             + (" (reserved)" if p.reserved_s else "") for p in bench.PARTS))
             return 0
         try:
-            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts)
+            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts,
+                                     Path(args.archive) if args.archive else None)
         except ValueError as error:
             build_parser().error(f"--parts: {error}")
     else:

@@ -9,21 +9,26 @@ ends (finished, failed or killed at its deadline) its report is written: `<part>
 `summary.md` is rewritten with every part so far. A call cut short therefore returns whatever
 finished; no part can hold up the ones after it.
 
-Only small files go to the output folder (a device call brings it back); caches, the generated
-sample and run folders go to the work folder.
+Only small files go to the output folder (a device call brings it back, packed into one
+archive: it returns at most 8 files); caches, the generated sample and run folders go to the
+work folder.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from app.runtime.files import write_atomically
 
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for a part past its deadline
@@ -36,6 +41,8 @@ LOG_TAIL = 3000  # characters of a part's log kept in its report
 class Paths:
     out: Path  # reports: small files only
     work: Path  # caches, samples, run folders
+    # `out` packed into one file after each part: a device call brings back only a few files
+    archive: Path | None = None
 
     def report(self, part: str) -> Path:
         """Where a part that writes JSON figures writes them."""
@@ -158,7 +165,17 @@ def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, s
         outcomes.append(outcome)
         (paths.out / f"{part.name}.json").write_text(json.dumps(outcome, indent=2))
         write_summary(paths.out / "summary.md", title, budget_s, parts, outcomes)
+        if paths.archive:
+            pack(paths.out, paths.archive)
     return outcomes
+
+
+def pack(folder: Path, archive: Path) -> None:
+    """`folder` as a .tar.gz, replaced whole (a call cut short still brings back the last)."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    write_atomically(archive, data.getvalue())
 
 
 def write_summary(path: Path, title: str, budget_s: float, parts: list[Part],

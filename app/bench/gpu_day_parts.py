@@ -213,7 +213,7 @@ def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
 # the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
 # before it runs to its own (tests/test_gpu_day.py checks).
 PARTS = [
-    Part("probe", "versions, GPU, memory", 15,
+    Part("probe", "versions, GPU, memory", 25,
          lambda p: [PYTHON, "-m", "app.bench.probe", "--json", str(p.report("probe"))],
          summary=probe_lines),
     Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 px, "
@@ -228,11 +228,11 @@ PARTS = [
          lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
          collect=run_figures, summary=run_lines),
     Part("e2e", "ResNet-50 end to end per decoder (nvjpeg, pillow, dali if it imports) beside "
-         "the pytorch/examples recipe and the model alone", 105,
+         "the pytorch/examples recipe and the model alone", 100,
          lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders", "nvjpeg,pillow,dali",
-                         "--steps", "30", "--warmup", "10", "--json", str(p.report("e2e"))),
+                         "--steps", "25", "--warmup", "5", "--json", str(p.report("e2e"))),
          summary=e2e_lines),
-    Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 50,
+    Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 45,
          lambda p: sync_bench(p, "sync_regions", "regions"), summary=sync_lines),
     Part("gpu_tests", f"the gpu tests, fastest first, {TEST_TIMEOUT_S} s each", TESTS_S,
          gpu_tests, collect=test_figures, summary=test_lines,
@@ -266,10 +266,11 @@ def by_name(names: str) -> list[Part]:
     return [part for part in PARTS if not wanted or part.name in wanted]
 
 
-def run(budget_s: float, out: Path, work: Path, names: str = "") -> tuple[dict, int]:
+def run(budget_s: float, out: Path, work: Path, names: str = "",
+        archive: Path | None = None) -> tuple[dict, int]:
     """bin/bench.py gpu-day: the report (every part's outcome) and the exit code (0: every
     part ran and ended well)."""
-    paths = Paths(out, work)
+    paths = Paths(out, work, archive)
     outcomes = run_parts(by_name(names), budget_s, paths, part_environment(paths))
     code = 0 if all(o["status"] == "ok" for o in outcomes) else 1
     return {"parts": outcomes, "summary": str(out / "summary.md")}, code
