@@ -43,7 +43,7 @@ TRAIN = (*DATA, *RESNET, "--image-size", "224", "--classes", "40", "--epochs", "
          "--decoder", "nvjpeg")
 TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
 BUDGET_S = 510.0  # bin/bench.py gpu-day's default: with pip and a killed part's STOP_S, ~540 s
-TESTS_S = 75.0  # the gpu tests' slice, reserved
+TESTS_S = 70.0  # the gpu tests' slice, reserved
 TEST_TIMEOUT_S = 60  # each test's: one that hangs must leave the others most of the slice
 GPU_MARK = re.compile(r"pytest\.mark\.gpu2?\b")
 
@@ -213,7 +213,7 @@ def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
 # the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
 # before it runs to its own (tests/test_gpu_day.py checks).
 PARTS = [
-    Part("probe", "versions, GPU, memory", 25,
+    Part("probe", "versions, GPU, memory", 30,
          lambda p: [PYTHON, "-m", "app.bench.probe", "--json", str(p.report("probe"))],
          summary=probe_lines),
     Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 px, "
