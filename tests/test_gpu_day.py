@@ -81,11 +81,12 @@ def test_the_budget_is_shared_out_and_a_part_without_any_is_not_started(tmp_path
     stale.write_text('{"step": 1}\n')
     paths.out.mkdir()
     paths.report("reserved").write_text('{"value": "last call\'s"}')
+    (paths.out / "reserved.xml").write_text("<testsuites/>")
     sleeper = Part("sleeper", "sleeps 30 s", 100,
                    lambda paths: [sys.executable, "-c", "import time; time.sleep(30)"])
     reserved = Part("reserved", "keeps 3 s", 3, lambda paths: [
-        sys.executable, "-c", f"import pathlib; assert not pathlib.Path({str(stale)!r}).exists()"],
-        reserved_s=3)
+        sys.executable, "-c", "import pathlib; assert not any(pathlib.Path(p).exists() for p in "
+        f"{[str(stale), str(paths.out / 'reserved.xml')]!r})"], reserved_s=3)
     outcomes = run_parts([sleeper, writes_report("late", {"value": 2}), reserved],
                          9 + STOP_S, paths, dict(os.environ))
     # the budget less the reserved 3 s and the time to kill it, not its own 100 s

@@ -54,9 +54,10 @@ class Paths:
         return self.work / "runs"
 
     def clear(self, part: str) -> None:
-        """A part's run folder and figures gone before it starts."""
+        """A part's run folder and files (figures, log, JUnit XML) gone before it starts."""
         shutil.rmtree(self.runs / part, ignore_errors=True)
-        self.report(part).unlink(missing_ok=True)
+        for path in self.out.glob(f"{part}.*"):
+            path.unlink()
 
 
 def read_report(paths: Paths, part: str) -> dict | None:
