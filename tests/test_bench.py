@@ -54,6 +54,23 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
     assert rows[0]["ratio_to_peer"] == rows[0]["images_per_s"] / rows[1]["images_per_s"]
 
 
+def test_model_bench_hands_over_each_row_as_it_finishes():
+    """What bin/bench.py model --json writes after each row (gpu-day's model_steps part, killed
+    at its deadline, keeps them): the rows so far, a ratio whose other row is still to come
+    None; without the peer's setting, no ratio to it."""
+    from app.bench import model
+    snapshots = []
+    report = model.run("test_resnet", 4, 32, "cpu", 1, 0, [model.OURS_EAGER], sizes=[32, 40],
+                       step_kinds=["foreach"],
+                       progress=lambda report: snapshots.append(json.loads(json.dumps(report))))
+    assert [len(s.get("sizes", {"results": []})["results"]) for s in snapshots] == [0, 1, 2, 2]
+    first = snapshots[1]["sizes"]["results"][0]  # 32 px, before the 40 px row
+    assert first["speed_vs_largest"] is None and first["speed_vs_first_step"] == 1.0
+    assert snapshots[-1]["sizes"]["results"][0]["speed_vs_largest"] is not None
+    assert report["results"][0]["ratio_to_peer"] is None
+    assert "ours without compile" in model.format_report(report)
+
+
 def test_compile_bench_compiles_the_whole_model_or_each_block(tmp_path):
     report = tmp_path / "compile.json"
     result = bench("compile", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",

@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from app.bench import gpu_day_parts
 from app.bench.cli import build_parser
-from app.bench.gpu_day import Part, Paths, run_parts
+from app.bench.gpu_day import MIN_PART_S, STOP_S, Part, Paths, run_parts, time_for
 from app.config.sources import parse_config
 from conftest import REPO
 from test_bench import bench
@@ -25,11 +26,12 @@ def writes_report(name: str, figures: dict) -> Part:
                 summary=lambda f: [f"- value {f['value']}"])
 
 
-def overruns(seen: Path, child_pid: Path) -> Part:
-    """Checks that the first part's report is already on disk, starts a child that would
-    outlive it, then sleeps far past its deadline."""
-    code = ("import os, subprocess, sys, time, pathlib\n"
+def overruns(seen: Path, archive: Path, child_pid: Path) -> Part:
+    """Checks that the first part's report is already on disk, and in the archive, starts a
+    child that would outlive it, then sleeps far past its deadline."""
+    code = ("import os, subprocess, sys, tarfile, time, pathlib\n"
             f"assert pathlib.Path({str(seen)!r}).exists(), 'no report of the first part yet'\n"
+            f"assert 'out/first.json' in tarfile.open({str(archive)!r}).getnames()\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
             f"pathlib.Path({str(child_pid)!r}).write_text(str(child.pid))\n"
             "print('started', flush=True)\n"
@@ -47,10 +49,11 @@ def alive(pid: int) -> bool:
 
 
 def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_path):
-    paths = Paths(tmp_path / "out", tmp_path / "work")
+    paths = Paths(tmp_path / "out", tmp_path / "work", tmp_path / "back" / "gpu-day.tar.gz")
     child_pid = tmp_path / "child.pid"
+    paths.archive.parent.mkdir()
     parts = [writes_report("first", {"value": 1}),
-             overruns(paths.out / "first.json", child_pid),
+             overruns(paths.out / "first.json", paths.archive, child_pid),
              writes_report("after", {"value": 3})]
     outcomes = run_parts(parts, 60, paths, dict(os.environ))
     assert [o["status"] for o in outcomes] == ["ok", "killed at its deadline (3 s)", "ok"]
@@ -63,17 +66,55 @@ def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_pa
     summary = (paths.out / "summary.md").read_text()
     assert "| slow | sleeps past its deadline | killed at its deadline (3 s) |" in summary
     assert "## first\n\n- value 1" in summary and "## after\n\n- value 3" in summary
+    with tarfile.open(paths.archive) as archive:  # the whole folder, as the last part left it
+        assert archive.extractfile("out/summary.md").read().decode() == summary
+        assert {"out/first.json", "out/slow.log", "out/after.json"} <= set(archive.getnames())
 
 
 def test_the_budget_is_shared_out_and_a_part_without_any_is_not_started(tmp_path):
+    """A part gets what is left of the budget less what later parts reserve; one with too
+    little is not started. The run folder and report of a part that ran before (a rerun on a
+    warm machine) are gone before it starts."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
+    stale = paths.runs / "reserved" / "metrics.jsonl"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"step": 1}\n')
+    paths.out.mkdir()
+    paths.report("reserved").write_text('{"value": "last call\'s"}')
+    (paths.out / "reserved.xml").write_text("<testsuites/>")
     sleeper = Part("sleeper", "sleeps 30 s", 100,
                    lambda paths: [sys.executable, "-c", "import time; time.sleep(30)"])
-    outcomes = run_parts([sleeper, writes_report("late", {"value": 2})], 6, paths,
-                         dict(os.environ))
-    assert outcomes[0]["status"] == "killed at its deadline (6 s)"  # the budget, not its 100 s
-    assert outcomes[1]["status"].startswith("not run: ")
+    reserved = Part("reserved", "keeps 3 s", 3, lambda paths: [
+        sys.executable, "-c", "import pathlib; assert not any(pathlib.Path(p).exists() for p in "
+        f"{[str(stale), str(paths.out / 'reserved.xml')]!r})"], reserved_s=3)
+    outcomes = run_parts([sleeper, writes_report("late", {"value": 2}), reserved],
+                         9 + STOP_S, paths, dict(os.environ))
+    # the budget less the reserved 3 s and the time to kill it, not its own 100 s
+    assert outcomes[0]["status"] == "killed at its deadline (6 s)"
+    assert outcomes[1]["status"].startswith("not run: ")  # what is left is reserved
     assert json.loads((paths.out / "late.json").read_text())["figures"] is None
+    assert outcomes[2]["status"] == "ok" and outcomes[2]["figures"] is None
+
+
+def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
+    """The real parts in the default budget: each part up to the gpu tests gets its whole
+    deadline when every one before it runs to its own; the tests get their reserved slice
+    even when each part before them also takes STOP_S to be killed (those at the end of the
+    line get less); the extras come after the tests."""
+    parts = gpu_day_parts.PARTS
+    tests = [p.name for p in parts].index("gpu_tests")
+    assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s >= parts[tests].reserved_s
+    assert [p.name for p in parts[tests + 1:]] == ["model_steps", "sync_whole", "threads",
+                                                  "threads_per_gpu"]
+    assert build_parser().parse_args(["gpu-day"]).budget == gpu_day_parts.BUDGET_S
+    for late_by in (0.0, STOP_S):
+        left = gpu_day_parts.BUDGET_S
+        for index, part in enumerate(parts[:tests + 1]):
+            given = time_for(parts, index, left)
+            if late_by == 0.0 or index == tests:
+                assert given == part.deadline_s, (part.name, late_by)
+            if given >= MIN_PART_S:  # else it is not started
+                left -= given + late_by
 
 
 def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
@@ -109,23 +150,37 @@ def test_the_gpu_tests_report_holds_the_tests_that_ended_before_a_kill(tmp_path)
     assert gpu_day_parts.test_lines(figures)[0] == "- 1 passed, 1 failed, 1 skipped"
 
 
-def test_the_gpu_tests_run_fastest_first():
-    """Tests that stay in their process first, then by the driver processes they start."""
+def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path):
+    """The part's own pytest command, collecting only: the files with gpu tests, and not
+    those that import packages the GPU machine lacks (boto3, nbclient), collected without an
+    error; tests that stay in their process first, then by the driver processes they
+    start."""
+    command = gpu_day_parts.gpu_tests(Paths(tmp_path, tmp_path))
+    files = [arg for arg in command if arg.startswith("tests/")]
+    assert "tests/test_gpu.py" in files and "tests/test_precision.py" in files
+    assert not {"tests/test_shards.py", "tests/test_notebook.py"} & set(files)
     collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m",
-         "gpu or gpu2", "tests/test_gpu.py"], cwd=REPO, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}).stdout
-    order = [line for line in collected.splitlines() if "::" in line]
+        [arg for arg in command if arg != "-v"] + ["--collect-only", "-q"], cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, **gpu_day_parts.by_name("gpu_tests")[0].env})
+    assert collected.returncode == 0, collected.stdout[-2000:]
+    order = [line for line in collected.stdout.splitlines() if "::" in line]
+    assert {test.split("::")[0] for test in order} >= {"tests/test_gpu.py",
+                                                       "tests/test_precision.py"}
     first_driver = next(i for i, test in enumerate(order) if "two_workers_sharing" in test)
     assert all("no_host_sync" not in test and "cuda_generator" not in test
-               for test in order[first_driver:])
+               and "test_precision.py" not in test for test in order[first_driver:])
     assert order[-1].endswith("test_sigterm_then_resume_on_the_gpu_continues")
 
 
 def test_gpu_day_probes_a_machine_without_a_gpu(tmp_path):
     result = bench("gpu-day", "--parts", "probe", "--budget", "60", "--out",
-                   str(tmp_path / "out"), "--work", str(tmp_path / "work"))
+                   str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--archive",
+                   str(tmp_path / "gd.tar.gz"))
     assert result.returncode == 0, result.stderr[-2000:]
+    with tarfile.open(tmp_path / "gd.tar.gz") as archive:
+        assert set(archive.getnames()) == {"out", "out/probe.json", "out/probe.log",
+                                           "out/probe.report.json", "out/summary.md"}
     probe = json.loads((tmp_path / "out" / "probe.json").read_text())
     assert probe["status"] == "ok" and probe["figures"]["gpus"] == []
     assert "- GPUs: none" in (tmp_path / "out" / "summary.md").read_text()

@@ -9,8 +9,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from app.config import AugmentConfig, OptimConfig
+from app.runtime.files import write_atomically
 
 EXAMPLES = """examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
@@ -24,7 +26,7 @@ EXAMPLES = """examples:
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
-  python3 bin/bench.py gpu-day --budget 540 --out gpu-day        # every GPU figure, one call
+  python3 bin/bench.py gpu-day --budget 510 --out gpu-day        # every GPU figure, one call
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
 """
 
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--steps", type=int, default=50)
     model.add_argument("--warmup", type=int, default=5)
     model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
+    model.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
+                       "setting (its fp32 cuDNN autotuning takes tens of seconds on a GPU)")
     model.add_argument("--optimizers", default="", help="also measure our first setting's "
                        "step with these comma-separated optimizers (sgd, lars, lamb: built as "
                        "training builds them), e.g. sgd,lars,lamb")
@@ -169,13 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "order of value (probe, --gpus-style runs, end to end per "
                               "decoder, sync overlap, optimizer step, gpu tests), each with its "
                               "own deadline, each report written the moment it ends")
-    day.add_argument("--budget", type=float, default=540.0, help="seconds for all the parts "
-                     "(default 540: a 10-minute device call, with room to start)")
+    day.add_argument("--budget", type=float, default=510.0, help="seconds for all the parts "
+                     "(default 510: with the install and a killed part's grace, a device "
+                     "call of about 540 s)")
     day.add_argument("--out", default="gpu-day", help="the reports: <part>.json, <part>.log, "
                      "summary.md (small files only)")
     day.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "imagenet-dp-gpu-day"),
                      help="compile caches, the generated sample and run folders (kept out of "
                      "--out)")
+    day.add_argument("--archive", help="also pack --out into this .tar.gz after each part "
+                     "(a device call brings back at most 8 files: name one under $OUT, and "
+                     "--out outside it)")
     day.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
                      "gpu-day --list names them)")
     day.add_argument("--list", action="store_true", help="name the parts and their deadlines, "
@@ -225,8 +233,17 @@ def optimizer_steps(text: str) -> list[str]:
     return kinds
 
 
+def saver(path: str | None) -> Callable[[dict], None]:
+    """Writes a report so far to --json, whole, after each of its rows: a run cut short (a
+    gpu-day part at its deadline) keeps the rows that finished."""
+    if not path:
+        return lambda report: None
+    return lambda report: write_atomically(path, json.dumps(report, indent=2))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    save = saver(getattr(args, "json", None))
     code = 0
     # torch-heavy modules load after parsing, so --help and mistakes answer at once
     if args.command == "e2e":
@@ -234,11 +251,11 @@ def main(argv: list[str]) -> int:
         report = bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
                                        args.image_size, args.workers, args.device, args.steps,
                                        args.warmup, decoder_names(args.decoders),
-                                       args.compile))
+                                       args.compile), save)
     elif args.command == "model":
         from app.bench import model as bench  # noqa: PLC0415
-        settings = [bench.OURS_EAGER, bench.PEER] if args.no_compile else \
-            [bench.OURS, bench.OURS_EAGER, bench.PEER]
+        settings = [bench.OURS_EAGER] if args.no_compile else [bench.OURS, bench.OURS_EAGER]
+        settings += [] if args.no_peer else [bench.PEER]
         augment = AugmentConfig(random_erase=args.random_erase, mixup_alpha=args.mixup_alpha,
                                 cutmix_alpha=args.cutmix_alpha)
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
@@ -247,18 +264,18 @@ def main(argv: list[str]) -> int:
                            numbers(args.sizes),
                            recipe_optimizers(args.optimizers, args.clip_grad_norm),
                            args.model_ema_steps, numbers(args.batch_sizes),
-                           optimizer_steps(args.optimizer_steps))
+                           optimizer_steps(args.optimizer_steps), save)
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         if not set(args.modes.split(",")) <= set(bench.MODES):
             build_parser().error(f"--modes: known: {', '.join(bench.MODES)}")
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
                            args.steps, args.warmup, args.bucket_mb, args.compile,
-                           args.compile_backend, tuple(args.modes.split(",")))
+                           args.compile_backend, tuple(args.modes.split(",")), save)
     elif args.command == "threads":
         from app.bench import threads as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
-                           args.dataset, args.catalog, args.workers, args.steps)
+                           args.dataset, args.catalog, args.workers, args.steps, save)
     elif args.command == "compile":
         from app.bench import compile as bench  # noqa: PLC0415
         report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
@@ -287,10 +304,12 @@ def main(argv: list[str]) -> int:
     elif args.command == "gpu-day":
         from app.bench import gpu_day_parts as bench  # noqa: PLC0415
         if args.list:
-            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}" for p in bench.PARTS))
+            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}"
+                             + (" (reserved)" if p.reserved_s else "") for p in bench.PARTS))
             return 0
         try:
-            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts)
+            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts,
+                                     Path(args.archive) if args.archive else None)
         except ValueError as error:
             build_parser().error(f"--parts: {error}")
     else:

@@ -89,9 +89,15 @@ def ours(setup: Setup, decoder: str) -> dict:
         finally:
             trainer.close()
             del trainer, batches  # the next decoder's run starts with this one's memory free
-            torch._dynamo.reset()  # and compiles its own modules (from the caches on disk)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release()
+
+
+def release() -> None:
+    """What a measurement compiled and allocated let go: the next one compiles its own
+    modules (from the caches on disk) and starts with the GPU's memory free."""
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def forever(pipeline) -> Iterator:
@@ -127,21 +133,34 @@ def peer(setup: Setup) -> dict:
     return timed(step, setup, "pytorch/examples recipe")
 
 
-def run(setup: Setup) -> dict:
-    results = [peer(setup), *(ours(setup, decoder) for decoder in setup.decoders)]
+def run(setup: Setup, progress: Callable[[dict], None] = lambda report: None) -> dict:
+    """The peer, the model alone, then each decoder; `progress` gets the report after each
+    row (a run cut short keeps the rows that finished)."""
     compiled = compile_enabled(setup.compile, torch.device(setup.device))
+    report = {"what": "end to end", "setup": asdict(setup), "results": [peer(setup)],
+              "model_only": None, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    progress(report)
     # compiled by regions, as the trainer compiles: the same graphs, the same settings
-    model_only = model_bench.measure(setup.arch, model_bench.OURS_REGIONS if compiled else
-                                     model_bench.OURS_EAGER, setup.batch_size,
-                                     setup.image_size, setup.device, setup.steps, setup.warmup)
+    report["model_only"] = model_bench.measure(
+        setup.arch, model_bench.OURS_REGIONS if compiled else model_bench.OURS_EAGER,
+        setup.batch_size, setup.image_size, setup.device, setup.steps, setup.warmup)
+    release()
+    compare(report)
+    progress(report)
+    for decoder in setup.decoders:
+        report["results"].append(ours(setup, decoder))
+        compare(report)
+        progress(report)
+    return report
+
+
+def compare(report: dict) -> None:
+    """Each row's speed against the peer's and the model alone's."""
+    results, model_only = report["results"], report["model_only"]
     for result in results:
-        if "skipped" in result:
-            continue
-        result["ratio_to_peer"] = result["images_per_s"] / results[0]["images_per_s"]
-        result["share_of_model_only"] = result["images_per_s"] / model_only["images_per_s"]
-    return {"what": "end to end", "setup": asdict(setup), "results": results,
-            "model_only": model_only, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+        if "skipped" not in result:
+            result["ratio_to_peer"] = result["images_per_s"] / results[0]["images_per_s"]
+            result["share_of_model_only"] = result["images_per_s"] / model_only["images_per_s"]
 
 
 def format_report(report: dict) -> str:

@@ -1,29 +1,39 @@
 """`bin/bench.py gpu-day`: every GPU figure in one call, for the rare, brief loan of a GPU
 machine. A runner of parts (app/bench/gpu_day_parts.py: adding one is one entry in a list),
 run in their order of value, each in a process group of its own with its own deadline, cut
-shorter when the call's budget runs low. As each part ends (finished, failed or killed at its
-deadline) its report is written: `<part>.json` (outcome, seconds, command, the figures it
-produced, its log's tail) beside `<part>.log`, and `summary.md` is rewritten with every part so
-far. A call cut short therefore returns whatever finished; no part can hold up the ones after it.
+shorter when the call's budget runs low; a part may reserve time (the gpu tests do), which the
+parts before it cannot use, however long they run. Each part starts with its run folder and
+report cleared (a rerun on a warm machine must not read the last call's metrics). As each part
+ends (finished, failed or killed at its deadline) its report is written: `<part>.json`
+(outcome, seconds, command, the figures it produced, its log's tail) beside `<part>.log`, and
+`summary.md` is rewritten with every part so far. A call cut short therefore returns whatever
+finished; no part can hold up the ones after it.
 
-Only small files go to the output folder (a device call brings it back); caches, the generated
-sample and run folders go to the work folder.
+Only small files go to the output folder (a device call brings it back, packed into one
+archive: it returns at most 8 files); caches, the generated sample and run folders go to the
+work folder.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from app.runtime.files import write_atomically
+
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for a part past its deadline
-MIN_PART_S = 5.0  # a part is not started with less budget than this left
+STOP_S = 2 * GRACE_S  # the longest a part killed at its deadline takes to be gone
+MIN_PART_S = 5.0  # a part is not started with less than this for it (or its whole deadline)
 LOG_TAIL = 3000  # characters of a part's log kept in its report
 
 
@@ -31,10 +41,23 @@ LOG_TAIL = 3000  # characters of a part's log kept in its report
 class Paths:
     out: Path  # reports: small files only
     work: Path  # caches, samples, run folders
+    # `out` packed into one file after each part: a device call brings back only a few files
+    archive: Path | None = None
 
     def report(self, part: str) -> Path:
         """Where a part that writes JSON figures writes them."""
         return self.out / f"{part}.report.json"
+
+    @property
+    def runs(self) -> Path:
+        """Where a part's training runs go: runs/<part>."""
+        return self.work / "runs"
+
+    def clear(self, part: str) -> None:
+        """A part's run folder and files (figures, log, JUnit XML) gone before it starts."""
+        shutil.rmtree(self.runs / part, ignore_errors=True)
+        for path in self.out.glob(f"{part}.*"):
+            path.unlink()
 
 
 def read_report(paths: Paths, part: str) -> dict | None:
@@ -55,6 +78,15 @@ class Part:
     collect: Callable[[Paths, str], dict | None] = read_report
     summary: Callable[[dict], list[str]] = lambda figures: []  # markdown lines of figures
     env: dict[str, str] = field(default_factory=dict)  # on top of the runner's environment
+    reserved_s: float = 0.0  # kept for this part while the parts before it run
+
+
+def time_for(parts: list[Part], index: int, left_s: float) -> float:
+    """Seconds the part at `index` may run with `left_s` of the budget left: its deadline, cut
+    so that the later parts' reserved time stays theirs even if this one must be killed (which
+    takes up to STOP_S more)."""
+    reserved = sum(part.reserved_s for part in parts[index + 1:])
+    return min(parts[index].deadline_s, left_s - (reserved + STOP_S if reserved else 0.0))
 
 
 def run_command(command: list[str], log: Path, deadline_s: float, env: dict[str, str]
@@ -95,6 +127,7 @@ def signal_group(group: int, sig: int) -> None:
 
 def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -> dict:
     log = paths.out / f"{part.name}.log"
+    paths.clear(part.name)
     command = part.command(paths)
     started = time.monotonic()
     code, ending = run_command(command, log, deadline_s, {**env, **part.env})
@@ -110,9 +143,11 @@ def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -
             "log_tail": log.read_text(errors="replace")[-LOG_TAIL:]}
 
 
-def not_run(part: Part, left_s: float) -> dict:
+def not_run(part: Part, left_s: float, given_s: float) -> dict:
+    kept = f", {left_s - given_s:.0f} s of it kept for later parts" if given_s < left_s - 1 \
+        else ""
     return {"name": part.name, "what": part.what, "seconds": 0.0,
-            "status": f"not run: {left_s:.0f} s of the budget left", "figures": None}
+            "status": f"not run: {left_s:.0f} s of the budget left{kept}", "figures": None}
 
 
 def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str],
@@ -123,14 +158,25 @@ def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, s
     paths.work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     outcomes: list[dict] = []
-    for part in parts:
+    for index, part in enumerate(parts):
         left = budget_s - (time.monotonic() - started)
-        outcome = run_part(part, paths, min(part.deadline_s, left), env) \
-            if left >= MIN_PART_S else not_run(part, left)
+        given = time_for(parts, index, left)
+        outcome = run_part(part, paths, given, env) \
+            if given >= min(MIN_PART_S, part.deadline_s) else not_run(part, left, given)
         outcomes.append(outcome)
         (paths.out / f"{part.name}.json").write_text(json.dumps(outcome, indent=2))
         write_summary(paths.out / "summary.md", title, budget_s, parts, outcomes)
+        if paths.archive:
+            pack(paths.out, paths.archive)
     return outcomes
+
+
+def pack(folder: Path, archive: Path) -> None:
+    """`folder` as a .tar.gz, replaced whole (a call cut short still brings back the last)."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    write_atomically(archive, data.getvalue())
 
 
 def write_summary(path: Path, title: str, budget_s: float, parts: list[Part],

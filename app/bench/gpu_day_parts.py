@@ -1,17 +1,27 @@
 """gpu-day's parts, in their order of value: a new measurement is one more entry in PARTS.
 
-How 540 s on one H100 are budgeted (docs/benchmarks.md has the estimate per part): the probe
-first (seconds, and it says what the machine is even if nothing else runs); then the common
-first step, one short driver run that generates the bench sample and compiles ResNet-50 by
-regions at 224 px, batch 256 (train and eval graphs) into the compile cache every later part
-shares, so that each of them loads its graphs rather than compiling them (a fresh compile is
-about a minute). Every later part uses those shapes. What costs most was trimmed: the
-`--gpus`-style runs train one epoch of 40 classes (4,800 images) with a checksum comparison
-after every step; the end-to-end runs measure the peer and the model alone once for all
-decoders; the sync comparison runs by regions (cached) first and compiles the whole model
-only for the two synced modes; the optimizer-step rows run eagerly (the step does not depend
-on the compile); the gpu tests come last, fastest first, each with its own timeout, and get
-whatever is left.
+How the 510 s of a device call's budget are shared out (docs/benchmarks.md has the estimate
+per part). The issue's parts come first, in its order of value: the probe (seconds, and it
+says what the machine is even if nothing else runs); the common first step, one short driver
+run that generates the bench sample and compiles ResNet-50 by regions at 224 px, batch 256
+(train and eval graphs) into the compile cache every later part shares, so that each of them
+loads its graphs rather than compiling them (a fresh compile is about a minute); the
+`--gpus`-style runs; end to end per decoder; the sync modes by regions; then the gpu tests,
+whose slice the runner reserves. Their deadlines, the time to kill the last part before the
+tests and the tests' slice add up to the budget, so each gets its whole deadline even if every
+part before it runs to its own. The extras (the optimizer-step grid, the sync modes compiled
+whole, threads vs processes) come after the tests and run on what the parts before them left
+unused.
+
+What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes (4,800
+images) with a checksum comparison after every step; the end-to-end runs measure the peer and
+the model alone once for all decoders; the sync modes run without the 1-worker mode (two
+workers share the one GPU, so one worker's step is no baseline for theirs); the whole-model
+compile (a fresh one, about a minute in each worker) and the threads rows are extras; the
+optimizer-step grid runs eagerly and without the peer's row (the step does not depend on the
+compile; the peer's fp32 cuDNN autotuning alone took 21 s); the gpu tests run fastest first,
+each with its own timeout. Parts that write JSON figures write them after each row, so a part
+killed at its deadline keeps the rows that finished.
 """
 
 from __future__ import annotations
@@ -32,7 +42,10 @@ RESNET = ("-a", "resnet50", "-b", "256")
 TRAIN = (*DATA, *RESNET, "--image-size", "224", "--classes", "40", "--epochs", "1", "-p", "1",
          "--decoder", "nvjpeg")
 TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
-TEST_TIMEOUT_S = 180
+BUDGET_S = 510.0  # bin/bench.py gpu-day's default: with pip and a killed part's STOP_S, ~540 s
+TESTS_S = 70.0  # the gpu tests' slice, reserved
+TEST_TIMEOUT_S = 60  # each test's: one that hangs must leave the others most of the slice
+GPU_MARK = re.compile(r"pytest\.mark\.gpu2?\b")
 
 
 def bench(*args: str) -> list[str]:
@@ -40,14 +53,14 @@ def bench(*args: str) -> list[str]:
 
 
 def driver(paths: Paths, name: str, *args: str) -> list[str]:
-    return [PYTHON, str(REPO / "bin" / "driver.py"), *args, "--output-dir",
-            str(paths.work / "runs"), "--run-name", name]
+    return [PYTHON, str(REPO / "bin" / "driver.py"), *args, "--output-dir", str(paths.runs),
+            "--run-name", name]
 
 
 # --- figures of a driver run, from its metrics.jsonl ------------------------------------------
 
 def run_figures(paths: Paths, name: str) -> dict | None:
-    metrics = paths.work / "runs" / name / "metrics.jsonl"
+    metrics = paths.runs / name / "metrics.jsonl"
     if not metrics.exists():
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -99,15 +112,19 @@ def probe_lines(f: dict) -> list[str]:
 
 
 def e2e_lines(f: dict) -> list[str]:
+    """The rows that finished (the ratios once the model alone was measured)."""
     lines = ["| run | images/s | vs peer | of model only | CPU cores |",
              "| --- | --- | --- | --- | --- |"]
     for r in f["results"]:
         if "skipped" in r:
             lines.append(f"| {r['label']} | skipped: {r['skipped']} | | | |")
             continue
-        lines.append(f"| {r['label']} | {r['images_per_s']:,.0f} | {r['ratio_to_peer']:.2f} | "
-                     f"{r['share_of_model_only']:.0%} | {r['cpu_cores']:.1f} |")
-    return lines + ["", f"model only, our settings: {f['model_only']['images_per_s']:,.0f} img/s"]
+        lines.append(f"| {r['label']} | {number(r['images_per_s'])} | "
+                     f"{number(r.get('ratio_to_peer'), 2)} | "
+                     f"{percent(r.get('share_of_model_only'))} | {r['cpu_cores']:.1f} |")
+    model_only = f["model_only"]
+    return lines + ["", "model only, our settings: "
+                    f"{number(model_only['images_per_s'] if model_only else None)} img/s"]
 
 
 def sync_lines(f: dict) -> list[str]:
@@ -123,8 +140,9 @@ def model_lines(f: dict) -> list[str]:
     lines = ["| batch | size | step | images/s | vs largest size | vs first step |",
              "| --- | --- | --- | --- | --- | --- |"]
     return lines + [f"| {r['batch_size']} | {r['image_size']} | {r['optimizer_step']} | "
-                    f"{r['images_per_s']:,.0f} | {r['speed_vs_largest']:.2f} | "
-                    f"{r['speed_vs_first_step']:.3f} |" for r in f["sizes"]["results"]]
+                    f"{number(r['images_per_s'])} | {number(r['speed_vs_largest'], 2)} | "
+                    f"{number(r['speed_vs_first_step'], 3)} |"
+                    for r in f.get("sizes", {"results": []})["results"]]
 
 
 def threads_lines(f: dict) -> list[str]:
@@ -132,11 +150,11 @@ def threads_lines(f: dict) -> list[str]:
         return [f"- skipped: {f['skipped']}"]
     lines = ["| replicas as | images/s |", "| --- | --- |"]
     lines += [f"| {r['mode']} | {r['images_per_s']:,.0f} |" for r in f["results"]]
-    return lines + ["", f"threads / processes: {f['threads_over_processes']:.3f}"]
+    return lines + ["", f"threads / processes: {number(f['threads_over_processes'], 3)}"]
 
 
 def threads_bench(paths: Paths, name: str, devices: str) -> list[str]:
-    # eager (threads do not compile), one epoch of the bench sample per mode
+    # both modes eager (threads cannot compile), one epoch of the bench sample per mode
     return bench("threads", "-a", "resnet50", "-b", "128", "--image-size", "224", "--devices",
                  devices, *DATA, "-j", "6", "--json", str(paths.report(name)))
 
@@ -169,59 +187,72 @@ def test_lines(f: dict) -> list[str]:
                     if t["outcome"] not in ("passed", "skipped")]
 
 
+def gpu_test_files() -> list[str]:
+    """The test files that hold gpu tests: the others are not collected (some import packages
+    the GPU machine lacks, boto3 and nbclient, and collecting them all costs time)."""
+    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
+                  if GPU_MARK.search(path.read_text()))
+
+
 def gpu_tests(paths: Paths) -> list[str]:
-    # a test module that needs a package the machine lacks must not stop the others
+    # a file that needs a package the machine lacks must not stop the others
     return [PYTHON, "-m", "pytest", "-m", "gpu or gpu2", "-p", "no:cacheprovider", "-v",
             "--continue-on-collection-errors", f"--timeout={TEST_TIMEOUT_S}",
-            f"--junitxml={paths.out / 'gpu_tests.xml'}", str(REPO / "tests")]
+            f"--junitxml={paths.out / 'gpu_tests.xml'}", *gpu_test_files()]
 
 
+def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
+    # ps and allreduce only: two workers share the one GPU, so one worker's step is no
+    # baseline for theirs
+    return bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
+                 "--compile", compile, "--modes", "ps,allreduce", "--steps", "10", "--warmup",
+                 "3", "--json", str(paths.report(name)))
+
+
+# Deadlines in s. The parts before gpu_tests, the time to kill the last of them (STOP_S) and
+# the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
+# before it runs to its own (tests/test_gpu_day.py checks).
 PARTS = [
     Part("probe", "versions, GPU, memory", 30,
          lambda p: [PYTHON, "-m", "app.bench.probe", "--json", str(p.report("probe"))],
          summary=probe_lines),
     Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 px, "
-         "batch 256, one GPU, one short epoch", 150,
+         "batch 256, one GPU, one short epoch", 135,
          lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
          collect=run_figures, summary=run_lines),
     Part("gpus_ps", "--devices cuda:0,cuda:0 --sync ps: worker processes and the parameter "
-         "server over CUDA memory, one short epoch", 90,
+         "server over CUDA memory, one short epoch", 55,
          lambda p: driver(p, "gpus_ps", *TRAIN, *TWO_WORKERS, "--sync", "ps"),
          collect=run_figures, summary=run_lines),
-    Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 90,
+    Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
          lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
          collect=run_figures, summary=run_lines),
     Part("e2e", "ResNet-50 end to end per decoder (nvjpeg, pillow, dali if it imports) beside "
-         "the pytorch/examples recipe and the model alone", 150,
+         "the pytorch/examples recipe and the model alone", 100,
          lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders", "nvjpeg,pillow,dali",
-                         "--steps", "30", "--warmup", "10", "--json", str(p.report("e2e"))),
+                         "--steps", "25", "--warmup", "5", "--json", str(p.report("e2e"))),
          summary=e2e_lines),
-    Part("sync_regions", "sync overlap compiled by regions: 1 worker, ps, allreduce", 75,
-         lambda p: bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
-                         "--compile", "regions", "--steps", "10", "--warmup", "3", "--json",
-                         str(p.report("sync_regions"))),
-         summary=sync_lines),
-    Part("sync_whole", "sync overlap compiled whole: ps, allreduce", 120,
-         lambda p: bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
-                         "--compile", "whole", "--modes", "ps,allreduce", "--steps", "10",
-                         "--warmup", "3", "--json", str(p.report("sync_whole"))),
-         summary=sync_lines),
+    Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 45,
+         lambda p: sync_bench(p, "sync_regions", "regions"), summary=sync_lines),
+    Part("gpu_tests", f"the gpu tests, fastest first, {TEST_TIMEOUT_S} s each", TESTS_S,
+         gpu_tests, collect=test_figures, summary=test_lines,
+         env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}, reserved_s=TESTS_S),
+    # the extras: on whatever the parts above left unused
     Part("model_steps", "the optimizer step foreach vs fused at 160/192/224 px, batch 256 and "
-         "512 (eager)", 60,
-         lambda p: bench("model", *RESNET, "--no-compile", "--sizes", "160,192,224",
-                         "--batch-sizes", "256,512", "--optimizer-steps", "foreach,fused",
-                         "--steps", "20", "--warmup", "5", "--json",
+         "512 (eager, without the peer)", 75,
+         lambda p: bench("model", *RESNET, "--no-compile", "--no-peer", "--sizes",
+                         "160,192,224", "--batch-sizes", "256,512", "--optimizer-steps",
+                         "foreach,fused", "--steps", "15", "--warmup", "3", "--json",
                          str(p.report("model_steps"))),
          summary=model_lines),
+    Part("sync_whole", "sync overlap compiled whole: ps, allreduce", 120,
+         lambda p: sync_bench(p, "sync_whole", "whole"), summary=sync_lines),
     Part("threads", "replicas as threads vs as processes (the Python API), two on one GPU, "
-         "eager, one epoch of the bench sample each", 90,
+         "both eager, one epoch of the bench sample each", 90,
          lambda p: threads_bench(p, "threads", "cuda:0,cuda:0"), summary=threads_lines),
     Part("threads_per_gpu", "the same with a replica per GPU of the machine (skipped with "
          "one)", 90, lambda p: threads_bench(p, "threads_per_gpu", "all"),
          summary=threads_lines),
-    Part("gpu_tests", f"the gpu tests, fastest first, {TEST_TIMEOUT_S} s each", 600, gpu_tests,
-         collect=test_figures, summary=test_lines,
-         env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}),
 ]
 
 
@@ -235,10 +266,11 @@ def by_name(names: str) -> list[Part]:
     return [part for part in PARTS if not wanted or part.name in wanted]
 
 
-def run(budget_s: float, out: Path, work: Path, names: str = "") -> tuple[dict, int]:
+def run(budget_s: float, out: Path, work: Path, names: str = "",
+        archive: Path | None = None) -> tuple[dict, int]:
     """bin/bench.py gpu-day: the report (every part's outcome) and the exit code (0: every
     part ran and ended well)."""
-    paths = Paths(out, work)
+    paths = Paths(out, work, archive)
     outcomes = run_parts(by_name(names), budget_s, paths, part_environment(paths))
     code = 0 if all(o["status"] == "ok" for o in outcomes) else 1
     return {"parts": outcomes, "summary": str(out / "summary.md")}, code

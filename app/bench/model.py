@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -141,27 +142,35 @@ def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, de
 
 
 def by_size(arch: str, setting: ModelSetting, batch_sizes: list[int], sizes: list[int],
-            step_kinds: list[str], device: str, steps: int, warmup: int) -> list[dict]:
+            step_kinds: list[str], device: str, steps: int, warmup: int,
+            progress: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """One setting at every (batch size, image size, optimizer step): images/s, each against
     the largest size at the same batch and step (beside the pixel count's ratio: the speed-up
     progressive resizing can buy) and against the first step implementation at the same
-    shape."""
-    rows = [measure(arch, setting, batch, size, device, steps, warmup, optimizer_step=kind)
-            for batch in batch_sizes for size in sizes for kind in step_kinds]
-    largest = max(sizes)
+    shape. `progress` gets the rows so far after each (a ratio whose other row is still to
+    come is None)."""
+    rows: list[dict] = []
+    for batch in batch_sizes:
+        for size in sizes:
+            for kind in step_kinds:
+                rows.append(measure(arch, setting, batch, size, device, steps, warmup,
+                                    optimizer_step=kind))
+                progress(compared(rows, max(sizes), step_kinds[0]))
+    return compared(rows, max(sizes), step_kinds[0])
 
-    def row_of(batch: int, size: int, kind: str) -> dict:
-        return next(r for r in rows if (r["batch_size"], r["image_size"], r["optimizer_step"])
-                    == (batch, size, kind))
+
+def compared(rows: list[dict], largest: int, first_step: str) -> list[dict]:
+    def speed_against(row: dict, size: int, kind: str) -> float | None:
+        other = next((r for r in rows if (r["batch_size"], r["image_size"], r["optimizer_step"])
+                      == (row["batch_size"], size, kind)), None)
+        return row["images_per_s"] / other["images_per_s"] if other else None
     return [{"batch_size": r["batch_size"], "image_size": r["image_size"],
              "optimizer_step": r["optimizer_step"], "images_per_s": r["images_per_s"],
              "step_ms": r["step_ms"], "first_step_s": r["first_step_s"],
              "peak_memory_gb": r["peak_memory_gb"],
-             "speed_vs_largest": r["images_per_s"] / row_of(
-                 r["batch_size"], largest, r["optimizer_step"])["images_per_s"],
+             "speed_vs_largest": speed_against(r, largest, r["optimizer_step"]),
              "pixels_vs_largest": (largest / r["image_size"]) ** 2,
-             "speed_vs_first_step": r["images_per_s"] / row_of(
-                 r["batch_size"], r["image_size"], step_kinds[0])["images_per_s"]}
+             "speed_vs_first_step": speed_against(r, r["image_size"], first_step)}
             for r in rows]
 
 
@@ -169,16 +178,21 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         settings: list[ModelSetting], augment: AugmentConfig | None = None,
         sizes: list[int] | None = None, optimizers: list[OptimConfig] | None = None,
         ema_every: int = 0, batch_sizes: list[int] | None = None,
-        step_kinds: list[str] | None = None) -> dict:
-    results = [measure(arch, s, batch_size, image_size, device, steps, warmup)
-               for s in settings]
+        step_kinds: list[str] | None = None,
+        progress: Callable[[dict], None] = lambda report: None) -> dict:
+    """`progress` gets the report after each row (a run cut short keeps the rows that
+    finished)."""
+    results: list[dict] = []
     report = {"what": "model only", "results": results, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}
+    for setting in settings:
+        results.append(measure(arch, setting, batch_size, image_size, device, steps, warmup))
+        progress(report)
     if augment:
         batch_augment = BatchAugment.from_config(augment, 1000, seed=0, rank=0)
         ours = [s for s in settings if s != PEER]
-        results[-1:-1] = [measure(arch, s, batch_size, image_size, device, steps, warmup,
-                                  batch_augment) for s in ours]
+        results[len(ours):len(ours)] = [measure(arch, s, batch_size, image_size, device,
+                                                steps, warmup, batch_augment) for s in ours]
         alone = augment_alone_ms(batch_augment, batch_size, image_size, device, steps)
         report["batch_augment"] = {**asdict(augment), "ms_per_step": alone,
                                    "share_of_plain_step": alone / results[0]["step_ms"]}
@@ -192,12 +206,16 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
                       ema_every=ema_every)
         report["ema"] = {**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
     if sizes or batch_sizes or step_kinds:
-        report["sizes"] = {"setting": settings[0].label, "results": by_size(
-            arch, settings[0], batch_sizes or [batch_size], sizes or [image_size],
-            step_kinds or ["default"], device, steps, warmup)}
-    baseline = results[-1]["images_per_s"]  # the peer's settings come last
+        def grid_so_far(rows: list[dict]) -> None:
+            report["sizes"] = {"setting": settings[0].label, "results": rows}
+            progress(report)
+        grid_so_far(by_size(arch, settings[0], batch_sizes or [batch_size],
+                            sizes or [image_size], step_kinds or ["default"], device, steps,
+                            warmup, grid_so_far))
+    # the peer's settings come last, when measured
+    baseline = results[-1]["images_per_s"] if PEER in settings else None
     for result in results:
-        result["ratio_to_peer"] = result["images_per_s"] / baseline
+        result["ratio_to_peer"] = result["images_per_s"] / baseline if baseline else None
     return report
 
 
@@ -208,7 +226,8 @@ def format_report(report: dict) -> str:
              f"{'setting':<40}{'images/s':>10}{'vs peer':>9}{'first step':>12}{'peak GB':>9}"]
     for r in report["results"]:
         peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        lines.append(f"{r['label']:<40}{r['images_per_s']:>10.1f}{r['ratio_to_peer']:>9.2f}"
+        peer = f"{r['ratio_to_peer']:.2f}" if r["ratio_to_peer"] is not None else "-"
+        lines.append(f"{r['label']:<40}{r['images_per_s']:>10.1f}{peer:>9}"
                      f"{r['first_step_s']:>11.1f}s{peak:>9}")
     extra = report.get("batch_augment")
     if extra:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -79,14 +80,23 @@ MODES = ("local", "ps", "allreduce")
 
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: int,
         warmup: int, bucket_mb: float, compile: str = "off", compile_backend: str = "inductor",
-        modes: tuple[str, ...] = MODES) -> dict:
+        modes: tuple[str, ...] = MODES,
+        progress: Callable[[dict], None] = lambda report: None) -> dict:
     """Measure the modes one after the other (`local`: 1 worker, no sync); returns a
-    JSON-ready report."""
+    JSON-ready report, which `progress` gets after each mode too (a run cut short keeps the
+    modes that finished)."""
     modes = [(label, mode, mode_devices) for label, mode, mode_devices in (
         ("1 worker", "local", devices[:1]), (f"{len(devices)} workers, ps", "ps", devices),
         (f"{len(devices)} workers, allreduce", "allreduce", devices)) if mode in modes]
     parallel = ParallelConfig(bucket_mb=bucket_mb, check_every=10**9)
-    results = []
+    params = sum(p.numel() for p in create_model(arch, 1000).parameters())
+    results: list[dict] = []
+    report = {"arch": arch, "parameters": params, "gradient_mb": params * 4 / 2**20,
+              "batch_per_worker": batch_size, "image_size": image_size, "devices": devices,
+              "bucket_mb": bucket_mb, "steps": steps, "warmup": warmup, "compile": compile,
+              "compile_backend": compile_backend, "ps_over_allreduce": None,
+              "results": results, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d")}
     context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         for label, mode, mode_devices in modes:
@@ -103,16 +113,12 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
                             "step_time_s": step,
                             "images_per_s": batch_size * len(mode_devices) / step,
                             "step_times_s": times})
-    params = sum(p.numel() for p in create_model(arch, 1000).parameters())
-    by_mode = {r["mode"]: r for r in results}
-    return {"arch": arch, "parameters": params, "gradient_mb": params * 4 / 2**20,
-            "batch_per_worker": batch_size, "image_size": image_size, "devices": devices,
-            "bucket_mb": bucket_mb, "steps": steps, "warmup": warmup, "compile": compile,
-            "compile_backend": compile_backend,
-            "ps_over_allreduce": by_mode["ps"]["step_time_s"] / by_mode["allreduce"]["step_time_s"]
-            if {"ps", "allreduce"} <= set(by_mode) else None,
-            "results": results, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+            by_mode = {r["mode"]: r for r in results}
+            if {"ps", "allreduce"} <= set(by_mode):
+                report["ps_over_allreduce"] = by_mode["ps"]["step_time_s"] / \
+                    by_mode["allreduce"]["step_time_s"]
+            progress(report)
+    return report
 
 
 def format_report(report: dict) -> str:

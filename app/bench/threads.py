@@ -11,6 +11,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,9 +24,12 @@ MODES = ("processes", "threads")
 
 
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset: str,
-        catalog: str, workers: int, steps: int) -> dict:
+        catalog: str, workers: int, steps: int,
+        progress: Callable[[dict], None] = lambda report: None) -> dict:
     """`devices` ["all"]: a replica per GPU of the machine; with fewer than two there is
-    nothing to compare, and the report says so."""
+    nothing to compare, and the report says so. Both modes train eagerly: threads cannot
+    compile (torch.compile is not thread-safe), and processes compiling would measure their
+    compile against the threads' eager steps. `progress` gets the report after each mode."""
     if devices == ["all"]:
         devices = resolve_devices("all")
         if len(devices) < 2:
@@ -33,7 +37,12 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset
     data = open_catalog(catalog).dataset(dataset)
     train_set = data.split("train")
     val_set = data.split("val")
-    results = []
+    results: list[dict] = []
+    report = {"arch": arch, "batch_per_replica": batch_size, "image_size": image_size,
+              "devices": devices, "dataset": dataset, "train_images": len(train_set),
+              "workers": workers, "compile": "off", "results": results,
+              "threads_over_processes": None, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as folder:
         for mode in MODES:
             torch.manual_seed(0)
@@ -42,19 +51,18 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset
                 model, train_set, devices=devices, parallel=mode, batch_size=batch_size,
                 image_size=image_size, epochs=1, workers=workers, print_freq=max(1, steps // 10),
                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                output_dir=folder, run_name=mode)
+                output_dir=folder, run_name=mode, compile="off")
             started = time.perf_counter()
             train(setup, loss=torch.nn.CrossEntropyLoss(), val=val_set, logger=[])
             rates = interval_rates(setup.run_dir / "metrics.jsonl")
             results.append({"mode": mode, "images_per_s": statistics.median(rates[1:] or rates),
                             "intervals": rates, "wall_s": time.perf_counter() - started})
+            progress(report)
     by_mode = {r["mode"]: r for r in results}
-    return {"arch": arch, "batch_per_replica": batch_size, "image_size": image_size,
-            "devices": devices, "dataset": dataset, "train_images": len(train_set),
-            "workers": workers, "results": results,
-            "threads_over_processes": by_mode["threads"]["images_per_s"]
-            / by_mode["processes"]["images_per_s"],
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    report["threads_over_processes"] = by_mode["threads"]["images_per_s"] / \
+        by_mode["processes"]["images_per_s"]
+    progress(report)
+    return report
 
 
 def interval_rates(metrics: Path) -> list[float]:
@@ -64,7 +72,7 @@ def interval_rates(metrics: Path) -> list[float]:
 def format_report(report: dict) -> str:
     if "skipped" in report:
         return report["skipped"]
-    lines = [f"{report['arch']}, batch {report['batch_per_replica']} per replica, "
+    lines = [f"{report['arch']}, batch {report['batch_per_replica']} per replica, eager, "
              f"{report['image_size']} px, devices {','.join(report['devices'])}, "
              f"{report['dataset']} ({report['train_images']} train images), -j "
              f"{report['workers']}; median images/s over the print intervals after the first",

@@ -33,16 +33,29 @@ def open_image(data: bytes) -> Image.Image:
         raise BadImage(_reason(error, data)) from None
 
 
+TRUNCATED = {"JPEG": "not decodable: truncated (no end of image after the last scan)",
+             "PNG": "not decodable: truncated PNG (no IEND chunk at its end)"}
+
+
 def open_complete(data: bytes) -> Image.Image:
     """open_image, and the file's end checked: a truncated file is refused here, from the
     bytes alone, because the GPU decoders (DALI's, nvJPEG) may fill its missing part with grey
     instead of failing, as Pillow does when it decodes it."""
     image = open_image(data)
-    if image.format == "JPEG" and JPEG_END not in data[data.rfind(JPEG_SCAN):]:
-        raise BadImage("not decodable: truncated (no end of image after the last scan)")
-    if image.format == "PNG" and not data.rstrip(b"\0").endswith(PNG_END):
-        raise BadImage("not decodable: truncated PNG (no IEND chunk at its end)")
+    if image.format in TRUNCATED and not ends_whole(image, data):
+        raise BadImage(TRUNCATED[image.format])
     return image
+
+
+def ends_whole(image: Image.Image, data: bytes) -> bool:
+    """Whether the bytes end as a whole file of the image's format: a JPEG's (or MPO's) end of
+    image marker after its last scan, a PNG's IEND chunk. A file cut short does not; a whole
+    one whose end marker alone is damaged does not either, though Pillow decodes it."""
+    if image.format in ("JPEG", "MPO"):
+        return JPEG_END in data[data.rfind(JPEG_SCAN):]
+    if image.format == "PNG":
+        return data.rstrip(b"\0").endswith(PNG_END)
+    return True
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -6,10 +6,11 @@ the training process decodes the whole batch in one call on its device
 Reading, the read-ahead and the order of batches are the Pillow pipeline's (ImageDataset,
 ReadAhead): only what is made of each blob differs. The header is read here (Pillow opens
 lazily: the size, not the pixels), which is all plan() needs. Bytes the device decoder must not
-see are dealt with here as the Pillow path deals with them: a truncated file is skipped (a GPU
-decoder may fill it with grey instead of failing), and an image nvJPEG does not decode as
-Pillow does (CMYK and other modes, a PNG under a .JPEG name) is decoded, cropped and
-augmented by Pillow in this process, so its pixels are exactly the Pillow path's.
+see are dealt with here by the Pillow path itself: a file that does not end whole (a truncated
+one, which a GPU decoder may fill with grey instead of failing) and an image nvJPEG does not
+decode as Pillow does (CMYK and other modes, a PNG under a .JPEG name) are decoded, cropped and
+augmented by Pillow in this process, or skipped where Pillow refuses them, so their pixels and
+the decision to skip are exactly the Pillow path's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.data.augment import Plan, Recipe
-from app.data.decode import open_complete, to_rgb
+from app.data.decode import ends_whole, open_image, to_rgb
 from app.data.pillow_pipeline import ImageDataset, apply_on_pil
 from app.data.pipeline import Skipped
 
@@ -39,8 +40,11 @@ class Encoded:
 
 class EncodedDataset(ImageDataset):
     def prepare(self, path: str, data: bytes, seed: int, recipe: Recipe):
-        image = open_complete(data)
-        if (image.format, image.mode) not in ON_DEVICE:
+        image = open_image(data)
+        if (image.format, image.mode) not in ON_DEVICE or not ends_whole(image, data):
+            # Pillow's pixels, or BadImage (skipped) where Pillow refuses the file: one that
+            # does not end whole is most likely cut short, which a GPU decoder may fill with
+            # grey, and where only its end marker is damaged Pillow decodes it
             return apply_on_pil(to_rgb(image), recipe, seed)
         plan = recipe.plan(image.height, image.width, seed)
         return Encoded(path, data, plan, recipe.size)

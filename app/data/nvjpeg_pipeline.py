@@ -5,10 +5,12 @@ on a GPU, libjpeg-turbo on a CPU: the same code, which is how the tests cover it
 resizes (antialiased bilinear, Pillow's filter), flips and auto-augments each image there with
 torchvision's functional ops, from the same plan as the other decoders.
 
-Bad data never ends a run: what the loader could not read or found truncated comes as skipped;
-should nvJPEG refuse a batch (it fails it whole), each of its images is decoded alone, and one
-that nvJPEG still refuses (an unusual chroma subsampling, a corrupt stream) is decoded by
-Pillow from the same bytes and plan, or skipped and reported when Pillow refuses it too.
+Bad data never ends a run: what the loader could not read comes as skipped; should nvJPEG
+refuse a batch (it fails it whole), each of its images is decoded alone, and one that nvJPEG
+still refuses (an unusual chroma subsampling, a corrupt stream) is decoded by Pillow from the
+same bytes and plan, or skipped and reported when Pillow refuses it too. A failure that is the
+machine's rather than the image's (the GPU out of memory, a torchvision built without nvJPEG)
+takes the same way, which is slow: it is named in one warning.
 
 On a GPU the decode call runs with a stream of its own as the current stream, and the training
 stream waits for it (an event, no host wait): torchvision takes its outputs' memory from the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Callable
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -36,29 +39,57 @@ from app.data.encoded import EncodedBatch, EncodedDataset, collate_encoded
 from app.data.image_ops import apply_ops
 from app.data.pillow_pipeline import PillowPipeline, apply_plan_on_pil
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
+from app.runtime.errors import first_line
 
 log = logging.getLogger("imagenet_dp")
 
 
-def decode_jpegs(jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+# What a decoder failure says about the machine rather than the image: a marker of its message
+# (torchvision wraps what nvJPEG and the allocator raise in "Error while decoding JPEG
+# images: ...") and the cause in words
+NOT_THE_IMAGE = (("not compiled with nvJPEG", "this torchvision was built without nvJPEG"),
+                 ("out of memory", "the GPU is out of memory"),
+                 ("Failed to initialize nvjpeg", "nvJPEG did not start"),
+                 ("Failed to create", "nvJPEG did not start"),
+                 ("CUDA error", "a CUDA error"))
+Trouble = Callable[[RuntimeError, str], None]  # (the failure, what is done instead)
+
+
+def decode_jpegs(jpegs: list[torch.Tensor], device: torch.device,
+                 trouble: Trouble = lambda error, instead: None) -> list[torch.Tensor | None]:
     """(3, H, W) uint8 images on `device`, None where the decoder refused one: the batch in
-    one call, and image by image only when that call fails."""
+    one call, and image by image only when that call fails; `trouble` hears of each
+    failure."""
     if not jpegs:
         return []
+    try:
+        return _decode(jpegs, device)
+    except RuntimeError as error:
+        trouble(error, "decoding the batch's images one by one")
+        return [_decode_one(jpeg, device, trouble) for jpeg in jpegs]
+
+
+def _decode_one(jpeg: torch.Tensor, device: torch.device, trouble: Trouble
+                ) -> torch.Tensor | None:
+    try:
+        return _decode([jpeg], device)[0]
+    except RuntimeError as error:
+        trouble(error, "Pillow decodes the images in the training process, slowly")
+        return None
+
+
+def _decode(jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not a dependency here)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:
-            return [_decode_one(jpeg, device) for jpeg in jpegs]
+        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
 
 
-def _decode_one(jpeg: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    try:
-        return decode_jpeg([jpeg], mode=ImageReadMode.RGB, device=device)[0]
-    except RuntimeError:
-        return None
+def not_the_image(error: RuntimeError) -> str | None:
+    """The cause in words when a decoder failure is the machine's, not the image's."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "the GPU is out of memory"
+    return next((cause for marker, cause in NOT_THE_IMAGE if marker in str(error)), None)
 
 
 def carry_out(image: torch.Tensor, plan: Plan, size: int) -> torch.Tensor:
@@ -78,6 +109,7 @@ class DeviceDecoder:
         self.to_device = to_device
         self.device = to_device.form.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.warned: set[tuple[str, str]] = set()  # (cause, what is done instead)
 
     def __call__(self, batch: EncodedBatch) -> DeviceBatch:
         """The batch's images in its order: the JPEGs decoded here, the images Pillow did in
@@ -116,15 +148,26 @@ class DeviceDecoder:
         """decode_jpegs, ordered before the training stream's work (see the module's
         docstring)."""
         if self.stream is None:
-            return decode_jpegs(jpegs, self.device)
+            return decode_jpegs(jpegs, self.device, self.trouble)
         with torch.cuda.stream(self.stream):
-            images = decode_jpegs(jpegs, self.device)
+            images = decode_jpegs(jpegs, self.device, self.trouble)
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_stream(self.stream)
         for image in images:
             if image is not None:
                 image.record_stream(consumer)
         return images
+
+    def trouble(self, error: RuntimeError, instead: str) -> None:
+        """A failure of the machine, not of an image (every image would go the slow way): one
+        warning per cause and consequence. An image the decoder refuses is only logged where
+        Pillow decodes it (with_pillow)."""
+        cause = not_the_image(error)
+        if cause and (cause, instead) not in self.warned:
+            self.warned.add((cause, instead))
+            log.warning("nvJPEG failed on %s: %s (%s); %s (should it last, --decoder pillow "
+                        "decodes in the loader processes instead)", self.device, cause,
+                        first_line(error, 160), instead)
 
     def with_pillow(self, jpeg: torch.Tensor, plan: Plan, size: int, path: str
                     ) -> torch.Tensor | Skipped:
