@@ -68,27 +68,51 @@ def test_the_same_global_batch_split_anew_is_taken_as_given():
     assert resumed_layout(saved(2, 8), (8, 1), 2).note == ""  # a plain resume says nothing
 
 
-def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_way_out():
+def refusal(*args, **options) -> str:
     with pytest.raises(UserError) as refused:
-        resumed_layout(saved(4, 8), (8, 1), 3)
-    assert str(refused.value) == (
+        resumed_layout(*args, **options)
+    return str(refused.value)
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_way_out():
+    """The override that changes the global batch is offered only where it is allowed: from a
+    checkpoint written at an epoch's end."""
+    assert refusal(saved(4, 8, epoch_step=0), (8, 1), 3) == (
         "cannot keep the checkpoint's global batch of 32 images on 3 workers (32 is not a "
         "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
-        "with 3 x 8 x 1 = 24 images (from a checkpoint at an epoch's end)")
+        "with 3 x 8 x 1 = 24 images from epoch 1 on")
+    assert refusal(saved(4, 8), (8, 1), 3) == (
+        "cannot keep the checkpoint's global batch of 32 images on 3 workers (32 is not a "
+        "multiple of 3): resume on 2 or 4 workers (the checkpoint is 5 steps into epoch 1; "
+        "changing the global batch needs a checkpoint written at an epoch's end)")
 
 
 def test_a_new_global_batch_is_refused_mid_epoch_and_allowed_at_an_epochs_end():
-    with pytest.raises(UserError, match="-b 4 --accum-steps 1 on 2 workers is a global batch "
-                                        "of 8 images, but the checkpoint is 5 steps into epoch "
-                                        "1 with 16: the global batch can change only at an "
-                                        "epoch's end; resume with -b 8 --accum-steps 1"):
-        resumed_layout(saved(2, 8), (4, 1), 2)
-    with pytest.raises(UserError, match="change only at an epoch's end"):
-        resumed_layout(saved(2, 8), (8, 1), 3, keep=False)
+    assert refusal(saved(2, 8), (4, 1), 2) == (
+        "-b 4 --accum-steps 1 on 2 workers is a global batch of 8 images, but the checkpoint "
+        "is 5 steps into epoch 1 with 16: the global batch can change only at an epoch's end; "
+        "give -b 8 --accum-steps 1, or resume from a checkpoint written at an epoch's end")
     at_end = resumed_layout(saved(2, 8, epoch_step=0), (8, 1), 3, keep=False)
     assert at_end.layout == BatchLayout(3, 8, 1)
     assert at_end.note.startswith("global batch 16 -> 3 x 8 x 1 = 24 images from epoch 1 on: "
                                   "the LR scales by 24/16")
+
+
+def test_a_refusal_names_only_changes_that_make_the_resume_work():
+    """Each way out, taken, is accepted: never the flags the user just gave."""
+    own_flags = refusal(saved(2, 8), (8, 1), 4, keep=False)  # the run's own -b, on 4 workers
+    assert own_flags.startswith("--no-keep-global-batch with -b 8 --accum-steps 1 on 4 workers "
+                                "is a global batch of 32 images")
+    assert own_flags.endswith("epoch's end; drop --no-keep-global-batch, or resume from a "
+                              "checkpoint written at an epoch's end")
+    assert resumed_layout(saved(2, 8), (8, 1), 4).layout == BatchLayout(4, 4, 1)  # dropped
+    # 16 images on 3 workers cannot stay 16: the way out names the world sizes that keep it
+    everything = refusal(saved(2, 8), (4, 1), 3, keep=False)
+    assert everything.endswith("give -b 8 --accum-steps 1 and drop --no-keep-global-batch and "
+                               "resume on 2 or 4 workers, or resume from a checkpoint written "
+                               "at an epoch's end")
+    for workers in (2, 4):
+        assert resumed_layout(saved(2, 8), (8, 1), workers).layout.global_batch == 16
 
 
 def test_checkpoints_without_the_record_read_their_layout_from_config_and_replicas():
@@ -288,11 +312,12 @@ def test_an_elastic_torchrun_job_losing_a_node_goes_on_with_one_worker_and_the_s
 def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_before_anything_starts(
         stopped, tmp_path):
     result, run_dir = resumed_on(stopped, tmp_path, 3)
+    cut = last(stopped)["epoch_step"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: cannot keep the checkpoint's global batch of 8 images on 3 workers (8 is not a "
-        "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
-        "with 3 x 4 x 1 = 12 images (from a checkpoint at an epoch's end)")
+        f"multiple of 3): resume on 2 or 4 workers (the checkpoint is {cut} steps into epoch 1; "
+        "changing the global batch needs a checkpoint written at an epoch's end)")
     assert "Traceback" not in result.stderr and "started" not in result.stderr
 
 
