@@ -3,6 +3,7 @@ LR schedule across a new global batch at an epoch's end, and real runs stopped o
 and resumed on 4 (a requeued driver) and on 1 (an elastic torchrun job that lost a node) that
 train every image of every epoch once and end where an uninterrupted run does."""
 
+import io
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from app.config.sources import parse_config
 from app.launch.run import prepare_job
@@ -142,6 +144,54 @@ def test_a_new_global_batch_at_an_epochs_end_scales_the_lr_and_keeps_the_schedul
     lr_before = before.optimizer.param_groups[0]["lr"]
     assert after.optimizer.param_groups[0]["lr"] == pytest.approx(2 * lr_before, rel=1e-12)
     assert (before.position.epoch, before.position.epoch_step) == (1, 0)
+
+
+def test_replicas_resumed_on_another_number_start_from_the_mean_of_the_saved_statistics(
+        tmp_path):
+    """A checkpoint written mid-epoch by 2 replicas whose BatchNorm running statistics differ
+    (averaged only at an epoch's end), resumed on 1 and on 4 workers: every replica starts
+    from their mean, not from replica 0's; on 2 each takes its own back."""
+    flags = ("--classes", "5", "--run-name", "r")
+    job = train_in_process(tmp_path, *flags, "-b", "4")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    state = {**trainer.state_dict(), "epoch_step": 3, "step": 3}
+    replica = state.pop("replica")
+
+    def shifted(by: float) -> bytes:  # a replica entry as run_state.save gathers it
+        data = io.BytesIO()
+        torch.save({**replica, "buffers": {name: (values + by) * (1 + by)
+                                           for name, values in replica["buffers"].items()}},
+                   data)
+        return data.getvalue()
+    path = tmp_path / "r" / "two.pt"
+    checkpoint.save(path, {**state, "replicas": [shifted(1), shifted(3)],
+                           "config": job.config.to_dict(), "batch": {
+                               "world_size": 2, "per_worker": 4, "accumulation": 1,
+                               "global_batch": 8, "requested": [4, 1]}})
+    mean = {name: ((values + 1) * 2 + (values + 3) * 4) / 2
+            for name, values in replica["buffers"].items()}
+    assert any("running_var" in name for name in mean) and len(mean) > 10  # BatchNorm's
+
+    def resumed(world_size: int, rank: int, *batch: str) -> dict:
+        again = train_in_process(tmp_path, *flags, *batch, "--resume", str(path))
+        return run_state.load(again, WorkerEnv(rank=rank, world_size=world_size))
+    for world_size, rank, batch in ((1, 0, ("-b", "4", "--accum-steps", "2")),
+                                    (4, 0, ("-b", "2")), (4, 3, ("-b", "2"))):
+        loaded = resumed(world_size, rank, *batch)
+        assert loaded["epoch_step"] == 3  # the same 24 images into the epoch
+        for name, values in mean.items():
+            assert torch.allclose(loaded["replica"]["buffers"][name], values), name
+    own = resumed(2, 1, "-b", "4")["replica"]["buffers"]
+    assert all(torch.equal(own[name], (values + 3) * 4)
+               for name, values in replica["buffers"].items())
+    # and the mean is what the replica's model holds once loaded
+    single = Trainer(train_in_process(tmp_path, *flags, "-b", "4", "--accum-steps", "2",
+                                      "--resume", str(path)), WorkerEnv(), LocalSync())
+    single.load_state_dict(resumed(1, 0, "-b", "4", "--accum-steps", "2"))
+    buffers = dict(single.model.named_buffers())
+    assert all(torch.allclose(buffers[name], values) for name, values in mean.items())
+    trainer.close()
+    single.close()
 
 
 def test_the_sample_record_keeps_what_the_last_start_trained_from_its_place_on(tmp_path):
