@@ -303,7 +303,9 @@ def test_stopped_on_2_workers_resumed_on_4_trains_every_image_once(stopped, unin
 # Two torchrun agents on this machine, one node of one worker each, in one elastic job of 1 to 2
 # nodes. The rendezvous is tuned for a test (the defaults: 15 s and 30 s): a node whose
 # heartbeat stops is dropped after 3 s (1 s x 3), and a round closes 3 s after it has the
-# fewest nodes allowed. The store's host is named so that the departing agent is not it.
+# fewest nodes allowed. The store's host is named so that the departing agent is not it, and
+# the other agent starts first: it waits for the store and joins as soon as it is up, so the
+# first round has both nodes before its 3 s last call ends.
 ELASTIC = ("-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-id", "shrink")
 RENDEZVOUS = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -327,7 +329,7 @@ def test_an_elastic_torchrun_job_losing_a_node_goes_on_with_one_worker_and_the_s
     workers save at one step mid-epoch, and the agent that is left meets alone in the next
     rendezvous round and starts its worker again with WORLD_SIZE 1 and --resume auto."""
     port = free_port()
-    leaving = elastic_agent(tmp_path, port, False, "leaving.log")  # waits for the store
+    leaving = elastic_agent(tmp_path, port, False, "leaving.log")
     staying = elastic_agent(tmp_path, port, True, "staying.log")
     run_dir = tmp_path / "runs" / "cut"
     try:
