@@ -71,6 +71,26 @@ def test_torchrun_wins_then_mpi_then_slurm():
     assert (pmi2.launcher, pmi2.rank, pmi2.local_rank) == ("srun", 9, 1)
 
 
+def test_open_mpi_ranks_inside_an_allocation_all_meet_where_mpirun_says():
+    """mpirun on 2 nodes starts its daemons as a 2-task srun step; both ranks on the first node
+    inherit that node's daemon task (SLURM_PROCID 0 of 2). Rank 0's (rank, size) equal the
+    task's by chance: it is still mpirun's, and meets rank 1 at the same place."""
+    daemon = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[001-002]",
+              "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_STEP_ID": "0",
+              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+              "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+              "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    ranks = [LaunchEnv.from_environ({
+        **daemon, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "PMIX_NAMESPACE": "prterun-gpu001-7@1"}) for rank in (0, 1)]
+    assert [(env.launcher, env.rank) for env in ranks] == [("mpirun", 0), ("mpirun", 1)]
+    assert ranks[0].init_method == ranks[1].init_method
+    # The same numbers from srun --mpi=pmi2 (PMI_*): srun's own task, as in the test above
+    pmi2 = LaunchEnv.from_environ({**daemon, "PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert pmi2.launcher == "srun" and pmi2.init_method.startswith("tcp://gpu001:")
+
+
 def test_a_single_rank_starts_its_own_workers_and_bad_values_are_one_line():
     single = {**OPEN_MPI_RANK_1, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
     assert LaunchEnv.from_environ(single) is None  # mpirun -n 1 ... --gpus 8

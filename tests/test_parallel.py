@@ -180,19 +180,25 @@ def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -
                                           ("allreduce", "worker 1 (cpu)")])
 def test_killing_a_process_stops_everything_within_3_seconds(tmp_path, sync, victim):
     """Kill -> exit took 3.5-4.4 s here while the driver's interpreter tore itself down after
-    its error line, 0.7-1.3 s since it ends at once (docs/benchmarks.md, "A failed run")."""
+    its error line, 0.7-1.3 s since it ends at once (docs/benchmarks.md, "A failed run").
+    The part that changed is bounded on its own: from the error line to the exit, 1.8-3.8 s
+    before, 0.1-0.6 s since, on this 2-core machine at load 3-6 (the suite's own load)."""
     process, marker = start_driver(tmp_path, "--sync", sync, "-j", "1")
     started = read_started_line(process)
     pids = worker_pids(started)
     wait_for_training(tmp_path, process)
     os.kill(pids[victim], signal.SIGKILL)
     killed_at = time.monotonic()
+    error = f"error: {victim} was killed by SIGKILL"
+    stderr = read_line_with(process, error)
+    reported_at = time.monotonic()
     code = process.wait(timeout=30)
-    elapsed = time.monotonic() - killed_at
-    stderr = process.stderr.read()
+    exited_at = time.monotonic()
+    stderr += process.stderr.read()
     assert code != 0
-    assert elapsed < 3
-    assert f"error: {victim} was killed by SIGKILL" in stderr
+    assert error in stderr
+    assert exited_at - killed_at < 3
+    assert exited_at - reported_at < 1.5, "the driver lingered after its error line"
     time.sleep(0.5)
     assert processes_with(marker) == []  # no orphans: workers, server, loader workers
 

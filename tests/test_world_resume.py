@@ -1,28 +1,36 @@
 """Resuming on another number of workers (issue 32): the rule that keeps the global batch, the
 LR schedule across a new global batch at an epoch's end, and real runs stopped on 2 workers
-and resumed on 1 and on 4 that train every image of every epoch once and end where an
-uninterrupted run does."""
+and resumed on 4 (a requeued driver) and on 1 (an elastic torchrun job that lost a node) that
+train every image of every epoch once and end where an uninterrupted run does."""
 
+import io
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 from app.config.sources import parse_config
 from app.launch.run import prepare_job
 from app.loggers import NullLogger
 from app.parallel import LocalSync
+from app.parallel.allreduce import free_port
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint, run_state
 from app.training.batch_layout import (BatchLayout, Saved, resumed_job, resumed_layout,
                                        split_per_worker)
-from app.training.sample_log import trained_samples
+from app.training.sample_log import records, trained_samples
 from app.training.trainer import Trainer, train_worker
-from conftest import run_driver
+from conftest import REPO, run_driver
 from test_parallel import relative_difference
-from test_reliability import CATALOG, last, stop_with_sigterm_after
+from test_reliability import CATALOG, last, metric_rows, stop_with_sigterm_after
 from training import train_in_process
 
 
@@ -62,27 +70,51 @@ def test_the_same_global_batch_split_anew_is_taken_as_given():
     assert resumed_layout(saved(2, 8), (8, 1), 2).note == ""  # a plain resume says nothing
 
 
-def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_way_out():
+def refusal(*args, **options) -> str:
     with pytest.raises(UserError) as refused:
-        resumed_layout(saved(4, 8), (8, 1), 3)
-    assert str(refused.value) == (
+        resumed_layout(*args, **options)
+    return str(refused.value)
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_way_out():
+    """The override that changes the global batch is offered only where it is allowed: from a
+    checkpoint written at an epoch's end."""
+    assert refusal(saved(4, 8, epoch_step=0), (8, 1), 3) == (
         "cannot keep the checkpoint's global batch of 32 images on 3 workers (32 is not a "
         "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
-        "with 3 x 8 x 1 = 24 images (from a checkpoint at an epoch's end)")
+        "with 3 x 8 x 1 = 24 images from epoch 1 on")
+    assert refusal(saved(4, 8), (8, 1), 3) == (
+        "cannot keep the checkpoint's global batch of 32 images on 3 workers (32 is not a "
+        "multiple of 3): resume on 2 or 4 workers (the checkpoint is 5 steps into epoch 1; "
+        "changing the global batch needs a checkpoint written at an epoch's end)")
 
 
 def test_a_new_global_batch_is_refused_mid_epoch_and_allowed_at_an_epochs_end():
-    with pytest.raises(UserError, match="-b 4 --accum-steps 1 on 2 workers is a global batch "
-                                        "of 8 images, but the checkpoint is 5 steps into epoch "
-                                        "1 with 16: the global batch can change only at an "
-                                        "epoch's end; resume with -b 8 --accum-steps 1"):
-        resumed_layout(saved(2, 8), (4, 1), 2)
-    with pytest.raises(UserError, match="change only at an epoch's end"):
-        resumed_layout(saved(2, 8), (8, 1), 3, keep=False)
+    assert refusal(saved(2, 8), (4, 1), 2) == (
+        "-b 4 --accum-steps 1 on 2 workers is a global batch of 8 images, but the checkpoint "
+        "is 5 steps into epoch 1 with 16: the global batch can change only at an epoch's end; "
+        "give -b 8 --accum-steps 1, or resume from a checkpoint written at an epoch's end")
     at_end = resumed_layout(saved(2, 8, epoch_step=0), (8, 1), 3, keep=False)
     assert at_end.layout == BatchLayout(3, 8, 1)
     assert at_end.note.startswith("global batch 16 -> 3 x 8 x 1 = 24 images from epoch 1 on: "
                                   "the LR scales by 24/16")
+
+
+def test_a_refusal_names_only_changes_that_make_the_resume_work():
+    """Each way out, taken, is accepted: never the flags the user just gave."""
+    own_flags = refusal(saved(2, 8), (8, 1), 4, keep=False)  # the run's own -b, on 4 workers
+    assert own_flags.startswith("--no-keep-global-batch with -b 8 --accum-steps 1 on 4 workers "
+                                "is a global batch of 32 images")
+    assert own_flags.endswith("epoch's end; drop --no-keep-global-batch, or resume from a "
+                              "checkpoint written at an epoch's end")
+    assert resumed_layout(saved(2, 8), (8, 1), 4).layout == BatchLayout(4, 4, 1)  # dropped
+    # 16 images on 3 workers cannot stay 16: the way out names the world sizes that keep it
+    everything = refusal(saved(2, 8), (4, 1), 3, keep=False)
+    assert everything.endswith("give -b 8 --accum-steps 1 and drop --no-keep-global-batch and "
+                               "resume on 2 or 4 workers, or resume from a checkpoint written "
+                               "at an epoch's end")
+    for workers in (2, 4):
+        assert resumed_layout(saved(2, 8), (8, 1), workers).layout.global_batch == 16
 
 
 def test_checkpoints_without_the_record_read_their_layout_from_config_and_replicas():
@@ -114,32 +146,80 @@ def test_a_new_global_batch_at_an_epochs_end_scales_the_lr_and_keeps_the_schedul
     assert (before.position.epoch, before.position.epoch_step) == (1, 0)
 
 
+def test_replicas_resumed_on_another_number_start_from_the_mean_of_the_saved_statistics(
+        tmp_path):
+    """A checkpoint written mid-epoch by 2 replicas whose BatchNorm running statistics differ
+    (averaged only at an epoch's end), resumed on 1 and on 4 workers: every replica starts
+    from their mean, not from replica 0's; on 2 each takes its own back."""
+    flags = ("--classes", "5", "--run-name", "r")
+    job = train_in_process(tmp_path, *flags, "-b", "4")
+    trainer = Trainer(job, WorkerEnv(), LocalSync())
+    state = {**trainer.state_dict(), "epoch_step": 3, "step": 3}
+    replica = state.pop("replica")
+
+    def shifted(by: float) -> bytes:  # a replica entry as run_state.save gathers it
+        data = io.BytesIO()
+        torch.save({**replica, "buffers": {name: (values + by) * (1 + by)
+                                           for name, values in replica["buffers"].items()}},
+                   data)
+        return data.getvalue()
+    path = tmp_path / "r" / "two.pt"
+    checkpoint.save(path, {**state, "replicas": [shifted(1), shifted(3)],
+                           "config": job.config.to_dict(), "batch": {
+                               "world_size": 2, "per_worker": 4, "accumulation": 1,
+                               "global_batch": 8, "requested": [4, 1]}})
+    mean = {name: ((values + 1) * 2 + (values + 3) * 4) / 2
+            for name, values in replica["buffers"].items()}
+    assert any("running_var" in name for name in mean) and len(mean) > 10  # BatchNorm's
+
+    def resumed(world_size: int, rank: int, *batch: str) -> dict:
+        again = train_in_process(tmp_path, *flags, *batch, "--resume", str(path))
+        return run_state.load(again, WorkerEnv(rank=rank, world_size=world_size))
+    for world_size, rank, batch in ((1, 0, ("-b", "4", "--accum-steps", "2")),
+                                    (4, 0, ("-b", "2")), (4, 3, ("-b", "2"))):
+        loaded = resumed(world_size, rank, *batch)
+        assert loaded["epoch_step"] == 3  # the same 24 images into the epoch
+        for name, values in mean.items():
+            assert torch.allclose(loaded["replica"]["buffers"][name], values), name
+    own = resumed(2, 1, "-b", "4")["replica"]["buffers"]
+    assert all(torch.equal(own[name], (values + 3) * 4)
+               for name, values in replica["buffers"].items())
+    # and the mean is what the replica's model holds once loaded
+    single = Trainer(train_in_process(tmp_path, *flags, "-b", "4", "--accum-steps", "2",
+                                      "--resume", str(path)), WorkerEnv(), LocalSync())
+    single.load_state_dict(resumed(1, 0, "-b", "4", "--accum-steps", "2"))
+    buffers = dict(single.model.named_buffers())
+    assert all(torch.allclose(buffers[name], values) for name, values in mean.items())
+    trainer.close()
+    single.close()
+
+
 def test_the_sample_record_keeps_what_the_last_start_trained_from_its_place_on(tmp_path):
-    """32 images, global batch 4. A 2-worker run trained offsets 0-12 and was killed; its
-    restart on 1 worker went on from its last checkpoint, offset 8, to the end. A start's
-    time precedes the batches of its own start, whichever worker wrote it."""
+    """32 images, global batch 4. A 2-worker run (start 1) trained offsets 0-12 and was killed;
+    its restart on 1 worker (start 2) went on from its last checkpoint, offset 8, to the end.
+    Clocks say nothing: rank 1's lines carry later times than the restart's."""
     folder = tmp_path / "samples"
     folder.mkdir()
 
     def lines(*records):
         return "".join(json.dumps(r) + "\n" for r in records)
 
-    def batch(time, offset, samples):
-        return {"time": time, "epoch": 1, "offset": offset, "samples": list(samples)}
+    def batch(start, offset, samples):
+        return {"time": 99.0, "start": start, "epoch": 1, "offset": offset,
+                "samples": list(samples)}
 
-    start = {"event": "start", "epoch": 1}
+    def start(number, offset):
+        return {"event": "start", "start": number, "epoch": 1, "offset": offset, "time": 1.0}
+
     (folder / "rank-0.jsonl").write_text(lines(
-        {**start, "offset": 0, "time": 1.0},
-        *(batch(2 + o, o, (o, o + 1)) for o in (0, 4, 8, 12)),
-        {**start, "offset": 8, "time": 20.0},
-        *(batch(21 + o, o, range(o, o + 4)) for o in range(8, 32, 4))))
+        start(1, 0), *(batch(1, o, (o, o + 1)) for o in (0, 4, 8, 12)),
+        start(2, 8), *(batch(2, o, range(o, o + 4)) for o in range(8, 32, 4))))
     (folder / "rank-1.jsonl").write_text(lines(
-        {**start, "offset": 0, "time": 1.5},  # written after rank 0's start: the same start
-        *(batch(2 + o, o, (o + 2, o + 3)) for o in (0, 4, 8, 12))))
+        start(1, 0), *(batch(1, o, (o + 2, o + 3)) for o in (0, 4, 8, 12))))
     assert sorted(trained_samples(tmp_path)[1]) == list(range(32))
 
 
-# --- real runs: 2 workers stopped mid-epoch, resumed on 1 and on 4 ------------------------
+# --- real runs: 2 workers stopped mid-epoch, resumed on 4 and (torchrun) on 1 -------------
 
 # GroupNorm (no BatchNorm: its batch statistics depend on the per-worker batch), float64, no
 # augmentation randomness that depends on the split: 160 images, global batch 8, one epoch of
@@ -181,33 +261,115 @@ def resumed_on(stopped, tmp_path, workers: int):
         run_dir
 
 
-@pytest.mark.parametrize("workers, per_worker, accumulation", [(1, 4, 2), (4, 2, 1)])
-def test_stopped_on_2_workers_resumed_on_another_number_trains_every_image_once(
-        stopped, uninterrupted, tmp_path, workers, per_worker, accumulation):
-    result, run_dir = resumed_on(stopped, tmp_path, workers)
-    assert result.returncode == 0, result.stderr[-3000:]
-    s = "" if workers == 1 else "s"
-    assert (f"resumed on {workers} worker{s} (saved by 2): per-worker batch {per_worker}, "
-            f"accumulation {accumulation}, same global batch and sample order") in result.stderr
-    # The run's own record: every image once per epoch, across the stop and the new layout.
-    epochs = trained_samples(run_dir)
-    assert list(epochs) == [1] and sorted(epochs[1]) == list(range(160))
+def assert_each_image_trained_once(run_dir, cut: dict) -> None:
+    """The run's raw record (every line of samples/, nothing left out) of an epoch stopped at
+    the checkpoint `cut` and resumed once from it: the second start went on at the
+    checkpoint's image offset, the first had trained nothing past it (a SIGTERM saves at the
+    step it stops), and together their batches hold every image of the epoch once. A resume
+    that began before the checkpoint's place would show those images twice."""
+    lines = records(run_dir)
+    offset = cut["epoch_step"] * cut["batch"]["global_batch"]
+    assert {(r["start"], r["offset"]) for r in lines if r.get("event")} == {(1, 0), (2, offset)}
+    batches = [r for r in lines if not r.get("event")]
+    assert max(r["offset"] for r in batches if r["start"] == 1) < offset
+    assert min(r["offset"] for r in batches if r["start"] == 2) == offset
+    assert sorted(row for r in batches for row in r["samples"]) == list(range(160))
+    assert sorted(trained_samples(run_dir)[1]) == list(range(160))  # the app's reading agrees
+
+
+def assert_ends_as_uninterrupted(run_dir, uninterrupted: dict, workers: int, at_stop: dict
+                                 ) -> None:
     done = last(run_dir)
     assert (done["epoch"], done["step"]) == (1, 20)
     assert done["batch"]["world_size"] == workers and done["batch"]["requested"] == [4, 1]
     assert relative_difference(uninterrupted["model"], done["model"]) < 1e-9
-    at_stop = checkpoint.load(stopped / "checkpoints" / "last.pt")["model"]
-    assert relative_difference(at_stop, done["model"]) > 1e-3  # sanity: it trained on
+    assert relative_difference(at_stop["model"], done["model"]) > 1e-3  # sanity: it trained on
+
+
+def test_stopped_on_2_workers_resumed_on_4_trains_every_image_once(stopped, uninterrupted,
+                                                                   tmp_path):
+    """A requeued job: a new driver with --resume auto on 4 workers (2 images each). Its end
+    equals the 1-worker uninterrupted run's: the same global batches, and N x b == 1 x N*b
+    (test_parallel.py) within the same tolerance."""
+    result, run_dir = resumed_on(stopped, tmp_path, 4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("resumed on 4 workers (saved by 2): per-worker batch 2, accumulation 1, same "
+            "global batch and sample order") in result.stderr
+    cut = checkpoint.load(stopped / "checkpoints" / "last.pt")
+    assert_each_image_trained_once(run_dir, cut)
+    assert_ends_as_uninterrupted(run_dir, uninterrupted, 4, cut)
+
+
+# Two torchrun agents on this machine, one node of one worker each, in one elastic job of 1 to 2
+# nodes. The rendezvous is tuned for a test (the defaults: 15 s and 30 s): a node whose
+# heartbeat stops is dropped after 3 s (1 s x 3), and a round closes 3 s after it has the
+# fewest nodes allowed. The store's host is named so that the departing agent is not it, and
+# the other agent starts first: it waits for the store and joins as soon as it is up, so the
+# first round has both nodes before its 3 s last call ends.
+ELASTIC = ("-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-id", "shrink")
+RENDEZVOUS = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def elastic_agent(cwd, port: int, hosts_store: bool, name: str) -> subprocess.Popen:
+    """One torchrun agent around the driver (2 x -b 4 all-reduce); its output in cwd/name."""
+    command = [sys.executable, *ELASTIC, "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-conf", f"is_host={int(hosts_store)},{RENDEZVOUS}",
+               str(REPO / "bin" / "driver.py"), *RUN, "-b", "4", "--device", "cpu",
+               "--sync", "allreduce", "--resume", "auto"]
+    with open(cwd / name, "w") as output:
+        return subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.mark.slow
+def test_an_elastic_torchrun_job_losing_a_node_goes_on_with_one_worker_and_the_same_samples(
+        uninterrupted, tmp_path):
+    """torchrun --nnodes 1:2 --max-restarts 1: one agent's node is preempted (SIGTERM), both
+    workers save at one step mid-epoch, and the agent that is left meets alone in the next
+    rendezvous round and starts its worker again with WORLD_SIZE 1 and --resume auto."""
+    port = free_port()
+    leaving = elastic_agent(tmp_path, port, False, "leaving.log")
+    staying = elastic_agent(tmp_path, port, True, "staying.log")
+    run_dir = tmp_path / "runs" / "cut"
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["step"] >= 5 for r in metric_rows(run_dir) if "step" in r):
+            assert staying.poll() is None and leaving.poll() is None, \
+                (tmp_path / "staying.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        leaving.send_signal(signal.SIGTERM)
+        leaving.wait(timeout=60)
+        code = staying.wait(timeout=180)
+    finally:
+        for agent in (leaving, staying):
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    log = (tmp_path / "staying.log").read_text()
+    assert code == 0, log[-3000:]
+    assert ("resumed on 1 worker (saved by 2): per-worker batch 4, accumulation 2, same global "
+            "batch and sample order") in log
+    # The first round had both nodes, the second the one left (the primary's line per start).
+    starts = (run_dir / "samples" / "starts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["world_size"] for line in starts] == [2, 1], log[-3000:]
+    (cut_path,) = [p for p in (run_dir / "checkpoints").glob("step-*.pt")
+                   if p.name != "step-000000020.pt"]
+    cut = checkpoint.load(cut_path)  # where the SIGTERM stopped both workers
+    assert 0 < cut["epoch_step"] < 20 and cut["batch"]["world_size"] == 2
+    assert_each_image_trained_once(run_dir, cut)
+    assert_ends_as_uninterrupted(run_dir, uninterrupted, 1, cut)
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_before_anything_starts(
         stopped, tmp_path):
     result, run_dir = resumed_on(stopped, tmp_path, 3)
+    cut = last(stopped)["epoch_step"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: cannot keep the checkpoint's global batch of 8 images on 3 workers (8 is not a "
-        "multiple of 3): resume on 2 or 4 workers, or give --no-keep-global-batch to train on "
-        "with 3 x 4 x 1 = 12 images (from a checkpoint at an epoch's end)")
+        f"multiple of 3): resume on 2 or 4 workers (the checkpoint is {cut} steps into epoch 1; "
+        "changing the global batch needs a checkpoint written at an epoch's end)")
     assert "Traceback" not in result.stderr and "started" not in result.stderr
 
 

@@ -309,7 +309,7 @@ class LoggingConfig:
     wandb_tags: list[str] = param([], "comma-separated wandb tags (default: $WANDB_TAGS)")
     log_samples: bool = param(False, "record which train images every batch of every worker "
                               "was made of, in samples/rank-R.jsonl in the run folder (a short "
-                              "line per batch and worker)")
+                              "line per batch and worker; each start in samples/starts.jsonl)")
     save_weights_every: int = param(
         0, "log the newest checkpoint as a wandb artifact every N epochs; 0 = never",
         check=at_least(0))

@@ -103,16 +103,20 @@ class LaunchEnv:
         that exports MASTER_ADDR before srun. An MPI launcher's ranks (app/runtime/mpi.py)
         come before Slurm's tasks: mpirun or mpiexec inside an allocation starts its daemons
         with srun, one task per node, and its ranks inherit that step's SLURM_PROCID and
-        SLURM_NTASKS, which are the daemons', not theirs. A rank whose number and count are
-        those of the srun task around it was started by srun itself (`srun --mpi=pmi2`):
-        Slurm's variables say more about it (its local rank, the nodes). None for a process
-        no launcher started."""
+        SLURM_NTASKS, which are the daemons', not theirs. A PMI rank (PMI_RANK, PMI_SIZE)
+        whose number and count are those of the srun task around it was started by srun
+        itself (`srun --mpi=pmi2` sets them): Slurm's variables say more about it (its local
+        rank, the nodes). Never an Open MPI rank: srun does not set OMPI_COMM_WORLD_*, and
+        mpirun's ranks 0 and 1 of 2 inside a 2-node allocation would match their daemons'
+        step by chance, rank by rank (one read as srun's task, the other as mpirun's, meeting
+        at two places). None for a process no launcher started."""
         if "RANK" in environ and "WORLD_SIZE" in environ:
             return cls(whole(environ, "RANK"), whole(environ, "WORLD_SIZE"),
                        whole(environ, "LOCAL_RANK", "0"), whole(environ, "LOCAL_WORLD_SIZE", "1"))
         ranked, task = mpi.mpi_rank(environ), slurm.slurm_task(environ)
-        if ranked and not (task and (task.rank, task.world_size) == (ranked.rank,
-                                                                     ranked.world_size)):
+        srun_own = ranked and ranked.pmi and task and (task.rank, task.world_size) == (
+            ranked.rank, ranked.world_size)
+        if ranked and not srun_own:
             host, port = mpi.meeting_point(ranked, environ)
             return cls(ranked.rank, ranked.world_size, ranked.local_rank,
                        ranked.local_world_size or 1, launcher="mpirun",

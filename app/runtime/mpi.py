@@ -40,6 +40,9 @@ class MpiRank:
     local_rank: int
     local_world_size: int  # 0: the launcher does not say
     job: str  # a name every rank of the job shares ("" if none)
+    # Read from PMI_*, which srun sets too (`srun --mpi=pmi2`), unlike OMPI_COMM_WORLD_*: only
+    # such a rank may be srun's own task (app/runtime/devices.py).
+    pmi: bool = False
 
 
 def mpi_rank(environ: Mapping[str, str]) -> MpiRank | None:
@@ -53,7 +56,7 @@ def mpi_rank(environ: Mapping[str, str]) -> MpiRank | None:
             return MpiRank(number(environ, rank), world_size,
                            number(environ, *names(local_rank), default=0),
                            number(environ, *names(local_size), default=0),
-                           environ.get("PMIX_NAMESPACE", ""))
+                           environ.get("PMIX_NAMESPACE", ""), pmi=rank == PMI[0])
     return None
 
 

@@ -114,25 +114,55 @@ def resumed_layout(saved: Saved, requested: tuple[int, int], world_size: int,
         return Resumed(given, same_global_batch(given, old))
     if keep and requested == saved.requested:
         if size % world_size:
-            near = " or ".join(map(str, nearest_divisors(size, world_size)))
-            raise UserError(
-                f"cannot keep the checkpoint's global batch of {size} images on "
-                f"{workers(world_size)} ({size} is not a multiple of {world_size}): resume on "
-                f"{near} workers, or give --no-keep-global-batch to train on with "
-                f"{given.describe()} (from a checkpoint at an epoch's end)")
+            raise UserError(not_a_divisor(saved, given))
         chosen = BatchLayout(world_size, *split_per_worker(size // world_size, per_worker))
         return Resumed(chosen, same_global_batch(chosen, old))
     if saved.epoch_step:
-        raise UserError(
-            f"-b {per_worker} --accum-steps {accumulation} on {workers(world_size)} is a global "
-            f"batch of {given.global_batch} images, but the checkpoint is {saved.epoch_step} "
-            f"steps into epoch {saved.epoch + 1} with {size}: the global batch can change only "
-            f"at an epoch's end; resume with -b {saved.requested[0]} --accum-steps "
-            f"{saved.requested[1]}, or from a checkpoint written at an epoch's end")
+        raise UserError(new_batch_mid_epoch(saved, given, keep))
     return Resumed(given, f"global batch {size} -> {given.describe()} from epoch "
                           f"{saved.epoch + 1} on: the LR scales by {given.global_batch}/{size} "
                           "and its schedule goes on from the same epoch, in steps of the new "
                           "batch")
+
+
+def not_a_divisor(saved: Saved, given: BatchLayout) -> str:
+    """The refusal when the run's own flags cannot keep the global batch on this many
+    workers. The way out that changes the global batch is offered only where it is allowed:
+    from a checkpoint at an epoch's end."""
+    size, world_size = saved.layout.global_batch, given.world_size
+    line = (f"cannot keep the checkpoint's global batch of {size} images on "
+            f"{workers(world_size)} ({size} is not a multiple of {world_size}): resume on "
+            f"{nearest_world_sizes(saved, world_size)} workers")
+    if saved.epoch_step:
+        return (f"{line} (the checkpoint is {saved.epoch_step} steps into epoch "
+                f"{saved.epoch + 1}; changing the global batch needs a checkpoint written at "
+                "an epoch's end)")
+    return (f"{line}, or give --no-keep-global-batch to train on with {given.describe()} from "
+            f"epoch {saved.epoch + 1} on")
+
+
+def new_batch_mid_epoch(saved: Saved, given: BatchLayout, keep: bool) -> str:
+    """The refusal of a new global batch mid-epoch, with each change to the command that
+    keeps the checkpoint's (never the flags that were just given)."""
+    size, own = saved.layout.global_batch, saved.requested
+    flags = f"-b {given.per_worker} --accum-steps {given.accumulation}"
+    asked = flags if keep else f"--no-keep-global-batch with {flags}"
+    changes = []
+    if (given.per_worker, given.accumulation) != own:
+        changes.append(f"give -b {own[0]} --accum-steps {own[1]}")
+    if not keep:
+        changes.append("drop --no-keep-global-batch")
+    if size % given.world_size:
+        changes.append(f"resume on {nearest_world_sizes(saved, given.world_size)} workers")
+    return (f"{asked} on {workers(given.world_size)} is a global batch of "
+            f"{given.global_batch} images, but the checkpoint is {saved.epoch_step} steps into "
+            f"epoch {saved.epoch + 1} with {size}: the global batch can change only at an "
+            f"epoch's end; {' and '.join(changes)}, or resume from a checkpoint written at an "
+            "epoch's end")
+
+
+def nearest_world_sizes(saved: Saved, world_size: int) -> str:
+    return " or ".join(map(str, nearest_divisors(saved.layout.global_batch, world_size)))
 
 
 def same_global_batch(layout: BatchLayout, saved: BatchLayout) -> str:

@@ -3,18 +3,23 @@
 Off by default. When on, every worker appends to samples/rank-<r>.jsonl one line per train
 batch (micro-batch) as it hands the batch to the loop:
 
-    {"time": ..., "epoch": 1, "offset": 96, "rank": 1, "world_size": 2, "samples": [17, 3, ...]}
+    {"time": ..., "start": 2, "epoch": 1, "offset": 96, "rank": 1, "world_size": 2,
+     "samples": [17, 3, ...]}
 
 `samples` are the rows of the train table the batch was made of, `offset` the position of its
 global batch (all workers' images of that pipeline step) in the epoch's global order: a number
-that means the same whatever the number of workers. Each start, fresh or resumed, first writes
-{"event": "start", "epoch": e, "offset": o, "time": t}: a run that went on from a checkpoint
-repeats what an earlier attempt trained after it (a killed run restarted), and only the later
-attempt's batches count (`trained_samples`). A start's time is taken when the worker builds
-its pipelines, before its first exchange with the other workers (the Trainer connects its
-model to them afterwards), so it is earlier than any batch of its own start and later than
-every batch of the starts before. Lines are flushed as written, so a killed worker's record
-ends where it stopped. Cost: one short line per batch and worker.
+that means the same whatever the number of workers. `start` numbers the run's starts, fresh or
+resumed (1, 2, ...); each first writes {"event": "start", "start": n, "epoch": e, "offset": o}.
+A run that went on from a checkpoint repeats what an earlier attempt trained after it (a
+killed run restarted), and only the later start's batches count (`trained_samples`).
+
+The workers of a start agree on its number without talking: each counts the lines of
+samples/starts.jsonl when it builds its pipelines, before its first exchange with the others
+(the Trainer connects its model to them afterwards: a barrier in every sync mode), and the
+primary appends this start's line there only when the training starts, after that exchange.
+A counter rather than clocks: under torchrun the workers' clocks may differ by more than a
+step. Lines are flushed as written, so a killed worker's record ends where it stopped. Cost:
+one short line per batch and worker.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from app.data.sampler import ShardedBatches
 from app.runtime.devices import WorkerEnv
 
 FOLDER = "samples"
+STARTS = "starts.jsonl"  # one line per start, by the primary: how starts are numbered
 
 
 class RecordedPipeline:
@@ -39,23 +45,28 @@ class RecordedPipeline:
     def __init__(self, pipeline: InputPipeline, batches: ShardedBatches, run_dir: str,
                  env: WorkerEnv):
         self.pipeline, self.batches, self.env = pipeline, batches, env
-        folder = Path(run_dir) / FOLDER
-        folder.mkdir(parents=True, exist_ok=True)
-        self.file: IO[str] | None = open(folder / f"rank-{env.rank}.jsonl", "a")
-        self.started = time.time()  # before any worker of this start trains (module docstring)
+        self.folder = Path(run_dir) / FOLDER
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.start = len(read_lines(self.folder / STARTS)) + 1  # see the module docstring
+        self.file: IO[str] | None = open(self.folder / f"rank-{env.rank}.jsonl", "a")
 
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Where this start goes on from: the training starts here."""
-        self.write({"event": "start", "epoch": epoch + 1, "offset": self.offset(start_step),
-                    "time": self.started})
+        start = {"event": "start", "start": self.start, "epoch": epoch + 1,
+                 "offset": self.offset(start_step)}
+        if self.env.is_primary:
+            with open(self.folder / STARTS, "a") as starts:
+                starts.write(json.dumps({**start, "world_size": self.env.world_size}) + "\n")
+        self.write(start)
         self.pipeline.open(epoch, start_step)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
         order = self.batches.order(epoch)
         for step, batch in enumerate(self.pipeline.epoch(epoch, start_step), start_step):
             rows = [row for row, _ in self.batches.items(order, epoch, step)]
-            self.write({"epoch": epoch + 1, "offset": self.offset(step), "rank": self.env.rank,
-                        "world_size": self.env.world_size, "samples": rows})
+            self.write({"start": self.start, "epoch": epoch + 1, "offset": self.offset(step),
+                        "rank": self.env.rank, "world_size": self.env.world_size,
+                        "samples": rows})
             yield batch
 
     def offset(self, step: int) -> int:
@@ -76,20 +87,29 @@ class RecordedPipeline:
         self.pipeline.close()
 
 
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def records(run_dir: str | Path) -> list[dict]:
+    """Every line of every worker's record, file by file (rank 0 first), each in order."""
+    return [record for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.jsonl"))
+            for record in read_lines(path)]
+
+
 def trained_samples(run_dir: str | Path) -> dict[int, list[int]]:
     """Epoch (from 1) -> the train rows its batches were made of, over every worker and every
-    start of the run. A batch recorded before a later start that went on from an earlier
-    place (same epoch and a lower or equal offset, or an earlier epoch) does not count: the
-    later start trained that place again."""
-    lines = [json.loads(line) for path in sorted((Path(run_dir) / FOLDER).glob("rank-*.jsonl"))
-             for line in path.read_text().splitlines()]
+    start of the run. A batch of a start that a later start went on from an earlier place of
+    (same epoch and a lower or equal offset, or an earlier epoch) does not count: the later
+    start trained that place again."""
+    lines = records(run_dir)
     starts = [r for r in lines if r.get("event") == "start"]
     samples: dict[int, list[int]] = defaultdict(list)
     for record in lines:
         if record.get("event"):
             continue
         place = (record["epoch"], record["offset"])
-        if any(s["time"] > record["time"] and (s["epoch"], s["offset"]) <= place
+        if any(s["start"] > record["start"] and (s["epoch"], s["offset"]) <= place
                for s in starts):
             continue
         samples[record["epoch"]].extend(record["samples"])
