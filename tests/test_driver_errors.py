@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.launch.run import main
+from app.launch.run import continuing_argv, main
 from app.runtime.cli import run_cli
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 
@@ -135,3 +135,10 @@ def test_a_real_driver_process_exits_2_without_traceback(tmp_path, args, fragmen
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert fragment in result.stderr
+
+
+def test_the_command_that_continues_a_run_names_resume_and_run_name_once():
+    argv = ["bin/driver.py", "--resume", "runs/a/checkpoints/last.pt", "-b", "8",
+            "--run-name=a", "--resume=auto"]
+    assert continuing_argv(argv, "a") == ["bin/driver.py", "-b", "8", "--resume", "auto",
+                                          "--run-name", "a"]

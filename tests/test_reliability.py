@@ -121,6 +121,8 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, sp
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
     assert code == PREEMPTED_EXIT_CODE, stderr
     assert "to continue: python" in stderr and "--resume auto --run-name cut" in stderr
+    hint = next(line for line in stderr.splitlines() if "to continue: python" in line)
+    assert hint.count("--run-name") == 1 and hint.count("--resume") == 1, hint
     cut = last(tmp_path / "runs" / "cut")
     assert 0 < cut["epoch_step"] < 20 and cut["epoch"] < 2  # stopped inside an epoch
     assert len(cut["replicas"]) == (2 if "--devices" in SPLITS[split] else 1)

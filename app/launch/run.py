@@ -186,9 +186,22 @@ def resume_hint(job: TrainJob) -> str:
     from app.training import checkpoint  # noqa: PLC0415
     last = job.checkpoint_dir / "last.pt"
     state = checkpoint.load(last, mmap=True)
-    command = shlex.join(["python", *sys.argv, "--resume", "auto", "--run-name",
-                          job.config.run.name])
+    command = shlex.join(["python", *continuing_argv(sys.argv, job.config.run.name)])
     return f"saved {last} {position(state)}; to continue: {command}"
+
+
+def continuing_argv(argv: list[str], run_name: str) -> list[str]:
+    """`argv` with its own --resume and --run-name (either spelling) replaced by the pair that
+    continues this run, so a resumed run's hint does not repeat them."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--resume", "--run-name"):
+            skip = True
+        elif not word.startswith(("--resume=", "--run-name=")):
+            kept.append(word)
+    return [*kept, "--resume", "auto", "--run-name", run_name]
 
 
 def position(state: dict) -> str:
