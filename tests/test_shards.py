@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.catalog.dataset import Dataset
-from app.catalog.shard_index import ShardError
+from app.catalog.shard_index import ShardError, index_tar
 from app.catalog.shard_writer import main as make_shards
 from app.catalog.shards import load_tables as shard_tables
 from app.catalog.storage import DatasetRoot
@@ -193,62 +193,88 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_the_other_format(
     assert_bit_identical(end_of(other, decoder, split), last(tmp_path / "runs" / "cut"),
                          end=(1, 20))
 
-def test_make_shards_writes_what_the_layouts_and_other_readers_read_and_resumes(
-        tiny_sample, tmp_path):
-    catalog = write_catalog(tmp_path / "datasets.toml", {"tiny": {"url": str(tiny_sample)}})
-    source = load_tables(DatasetRoot("source", str(tiny_sample)))
-    by_name = {Path(path).name: (tiny_sample / path, label)
-               for frame in (source.train, source.val) for path, label in zip(frame.path,
-                                                                            frame.label)}
-    for layout in ("wds", "parquet"):
-        out = tmp_path / layout
-        assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", layout,
-                            str(out), "--shard-size", "60KB"]) == 0
-        tables = shard_tables(DatasetRoot(layout, str(out), layout=layout))
-        assert tables.wnids == source.wnids and tables.descriptions == source.descriptions
-        assert (len(tables.train), len(tables.val)) == (len(source.train), len(source.val))
-        assert tables.train.shard.max() >= 5  # several shards, classes mixed in each
-        seen = []
-        for shard in sorted(out.rglob("*.tar" if layout == "wds" else "*.parquet")):
-            seen += check_tar(shard, by_name) if layout == "wds" else check_parquet(shard, by_name)
-        assert sorted(seen) == sorted(by_name)  # every image once, its bytes as they were
+@pytest.fixture
+def dotted_folders(tiny_imagefolder, tmp_path) -> Path:
+    """The tiny sample in the ImageFolder layout with names such copies often have: dots in
+    them, and the same names in every class folder (img.0.JPEG, img.1.JPEG, ... in each)."""
+    folder = Path(shutil.copytree(tiny_imagefolder, tmp_path / "folders"))
+    for class_folder in folder.glob("*/n*"):
+        for number, image in enumerate(sorted(class_folder.iterdir())):
+            image.rename(class_folder / f"img.{number}.JPEG")
+    return folder
 
-    # A run killed part-way left some shards: started again, it keeps them and adds the rest.
-    out = tmp_path / "wds"
+
+def test_make_shards_writes_what_the_layouts_and_other_readers_read_and_resumes(
+        tiny_sample, dotted_folders, tmp_path):
+    sources = {"tiny": DatasetRoot("tiny", str(tiny_sample)),
+               "folders": DatasetRoot("folders", str(dotted_folders), layout="imagefolder")}
+    catalog = write_catalog(tmp_path / "datasets.toml", {
+        name: {"url": root.url, "layout": root.layout} for name, root in sources.items()})
+    for dataset, root in sources.items():
+        source = load_tables(root)
+        by_path = {path: (Path(root.url) / path, label)  # every sample's own bytes and label
+                   for frame in (source.train, source.val)
+                   for path, label in zip(frame.path, frame.label)}
+        for layout in ("wds", "parquet"):
+            out = tmp_path / dataset / layout
+            assert make_shards(["--catalog", str(catalog), "--dataset", dataset, "--format",
+                                layout, str(out), "--shard-size", "60KB"]) == 0
+            tables = shard_tables(DatasetRoot(layout, str(out), layout=layout))
+            assert tables.wnids == source.wnids and tables.descriptions == source.descriptions
+            assert (len(tables.train), len(tables.val)) == (len(source.train), len(source.val))
+            assert tables.train.shard.max() >= 5  # several shards, classes mixed in each
+            seen = []
+            for shard in sorted(out.rglob("*.tar" if layout == "wds" else "*.parquet")):
+                seen += (check_tar if layout == "wds" else check_parquet)(shard, by_path)
+            assert sorted(seen) == sorted(by_path)  # every image once, its bytes as they were
+
+    # A run killed part-way left some shards and a half-written one: started again, it keeps
+    # the finished ones, removes the temporary file and adds the rest.
+    out = tmp_path / "tiny" / "wds"
     tars = sorted(out.glob("imagenet1k-train-*.tar"))
     lost = {path: path.read_bytes() for path in tars[2:4]}
     for path in lost:
         path.unlink()
     (out / "_info.json").unlink()
+    half = out / f".{tars[2].name}.4242.tmp"  # atomic_path's name for it
+    half.write_bytes(lost[tars[2]][:5000])
     kept = {path: path.stat().st_mtime_ns for path in tars if path not in lost}
     assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
                         str(out), "--shard-size", "60KB"]) == 0
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in kept.items())
     assert all(path.read_bytes() == data for path, data in lost.items())
-    assert (out / "_info.json").is_file()
+    assert (out / "_info.json").is_file() and not half.exists()
     with pytest.raises(UserError, match="holds shards of another dataset or other arguments"):
         make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
                      str(out), "--shard-size", "1MB"])
 
 
-def check_tar(path, by_name) -> list[str]:
-    """Member by member: KEY.jpg (the source's bytes), KEY.cls (its label), KEY.json."""
+def check_tar(path, by_path) -> list[str]:
+    """Member by member: KEY.jpg (the source's bytes), KEY.cls (its label), KEY.json (its
+    path); then as the layout indexes it (webdataset's key rule): each sample its own bytes
+    and label."""
     names = []
     with tarfile.open(path) as tar:
         members = tar.getmembers()
         assert len(members) % 3 == 0
         for jpg, cls, meta in zip(members[::3], members[1::3], members[2::3]):
             key = jpg.name[:-len(".jpg")]
+            assert "." not in key and key not in {name.split(".")[0] for name in names}
             assert (jpg.name, cls.name, meta.name) == (f"{key}.jpg", f"{key}.cls", f"{key}.json")
             info = json.loads(tar.extractfile(meta).read())
-            file, label = by_name[info["filename"]]
+            file, label = by_path[info["path"]]
             assert tar.extractfile(jpg).read() == file.read_bytes()
             assert int(tar.extractfile(cls).read()) == label == info["label"]
-            names.append(info["filename"])
+            names.append(info["path"])
+    index, data = index_tar(path, str(path)), path.read_bytes()
+    assert len(index) == len(names)
+    for name, offset, size, label in zip(names, index.offsets, index.sizes, index.labels):
+        file, expected = by_path[name]
+        assert data[offset:offset + size] == file.read_bytes() and label == expected
     return names
 
 
-def check_parquet(path, by_name) -> list[str]:
+def check_parquet(path, by_path) -> list[str]:
     """Hugging Face's schema (and the features `datasets` decodes it with); the source's bytes."""
     schema = pq.read_schema(path)
     assert schema.remove_metadata() == PARQUET_SCHEMA
@@ -256,7 +282,7 @@ def check_parquet(path, by_name) -> list[str]:
     assert features["image"] == {"_type": "Image"} and features["label"]["_type"] == "ClassLabel"
     names = []
     for row in pq.read_table(path).to_pylist():
-        file, label = by_name[row["image"]["path"]]
+        file, label = by_path[row["image"]["path"]]
         assert row["image"]["bytes"] == file.read_bytes() and row["label"] == label
         names.append(row["image"]["path"])
     return names

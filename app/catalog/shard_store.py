@@ -26,7 +26,7 @@ from pathlib import Path
 from app.catalog.shard_index import ShardError, ShardIndex, index_tar, unpack_parquet
 from app.catalog.storage import DatasetRoot, default_cache_dir
 from app.runtime.errors import first_line
-from app.runtime.files import atomic_path, temporary_path
+from app.runtime.files import atomic_path, remove_temporaries, temporary_path
 
 DEFAULT_CACHE_GB = 50.0
 CHUNK_BYTES = 16 << 20  # per read of a fetched shard: a 1 GB shard is a few dozen reads
@@ -81,8 +81,7 @@ class ShardStore:
         """Under the shard's lock: any temporary file of this shard is a killed holder's."""
         for folder in ("index", "data"):
             (self.folder / folder).mkdir(parents=True, exist_ok=True)
-            for stale in (self.folder / folder).glob(f".{_flat(shard)}.*"):
-                stale.unlink(missing_ok=True)
+            remove_temporaries(self.folder / folder, f".{_flat(shard)}.*")
         index_file, data = self.index_path(shard), self.data_path(shard)
         if self.in_place:
             index_tar(data, self.root.describe(shard)).save(index_file)
