@@ -4,6 +4,7 @@ locally and on the loopback S3 server with 2 workers in both sync modes, exact r
 SIGTERM with both decoders, bad samples and damaged shards."""
 
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -18,9 +19,12 @@ from app.catalog.shard_writer import main as make_shards
 from app.catalog.shards import load_tables as shard_tables
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
+from app.config.sources import parse_config
 from app.data.windows import WindowedBatches
+from app.launch.run import prepare_job
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.training import preflight
 from conftest import run_driver, skipped_rows, write_catalog
 from s3 import FaultyProxy
 from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
@@ -137,19 +141,88 @@ def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sampl
     assert requests["wds"] <= 6 + 12 and requests["parquet"] <= 6 * 4 + 12, requests
 
 
-@pytest.mark.parametrize("decoder", ["pillow", "dali"])
-def test_a_truncated_tar_ends_the_run_with_one_line(copies, tmp_path, decoder):
-    folder = shutil.copytree(copies["wds"], tmp_path / "copy")
-    shard = folder / "imagenet1k-train-0003.tar"
-    shard.write_bytes(shard.read_bytes()[:40_000])
-    catalog = write_catalog(tmp_path / "datasets.toml", {"copy": entry(folder, "wds")})
+def damage(folder: Path, how: str) -> tuple[Path, str]:
+    """A train shard of the copy in `folder` cut short, damaged inside or removed: the shard,
+    and what the error line says after its name."""
+    if how == "truncated":  # a tar cut inside a member
+        shard = folder / "imagenet1k-train-0003.tar"
+        shard.write_bytes(shard.read_bytes()[:40_000])
+        return shard, r" is truncated: .*byte offset.*\b40000\b"
+    if how == "missing":  # listed in _info.json: a partial download
+        shard = folder / "imagenet1k-train-0003.tar"
+        shard.unlink()
+        return shard, r" is missing; put it back"
+    # parquet: its footer and labels intact, the page header of row group 1's images garbled
+    shard = folder / "data" / "train-00003-of-00004.parquet"
+    chunk = pq.ParquetFile(shard).metadata.row_group(1).column(0)
+    with open(shard, "r+b") as handle:
+        handle.seek(chunk.data_page_offset)
+        handle.write(b"\xff" * 32)
+    return shard, r": row group 1 of 2 is unreadable \(.*\); download or write it again"
+
+
+@pytest.mark.parametrize("layout, decoder, how", [
+    ("wds", "pillow", "truncated"), ("wds", "dali", "truncated"),
+    ("parquet", "pillow", "damaged"), ("wds", "pillow", "missing")])
+def test_a_truncated_damaged_or_missing_shard_ends_the_run_with_one_line(
+        copies, tmp_path, layout, decoder, how):
+    folder = shutil.copytree(copies[layout], tmp_path / "copy")
+    shard, says = damage(folder, how)
+    catalog = write_catalog(tmp_path / "datasets.toml", {"copy": entry(folder, layout)})
     result = run_driver("--catalog", str(catalog), "-a", "test_resnet", "--image-size", "32",
                         "-b", "32", "-j", "1", "--epochs", "1", "--decoder", decoder,
                         cwd=tmp_path)  # the error is met in a loader (or DALI reader) process
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"error: shard {shard} is truncated: ") and \
-        "at byte offset" in message and "40000" in message, message
+    assert re.match(rf"error: (dataset 'copy': )?shard {re.escape(str(shard))}{says}",
+                    message), message
+
+
+def test_shards_missing_from_a_bucket_are_named_before_training(copies, tmp_path, s3_server):
+    """A partial copy (_info.json lists shards that are not there): every shard is checked,
+    with a listing, not sampled; none may be skipped (every later sample would move)."""
+    files = sorted(str(p.relative_to(copies["wds"])) for p in copies["wds"].iterdir())
+    gone = ["imagenet1k-train-0001.tar", "imagenet1k-validation-0000.tar"]
+    url = s3_server.upload(copies["wds"], "shards", "partial",
+                           only=[name for name in files if name not in gone])
+    catalog = write_catalog(tmp_path / "datasets.toml", {"wds": entry(
+        url, "wds", endpoint_url=s3_server.endpoint)})
+    config, _ = parse_config(["--catalog", str(catalog), "--output-dir", str(tmp_path / "runs"),
+                              "--max-bad-fraction", "0.5"])
+    with pytest.raises(UserError, match=rf"^dataset 'wds': shard {url}/{gone[0]} is missing "
+                                        r"\(and 1 more\); put it back"):
+        preflight.check(prepare_job(config), saves=False)
+
+
+def test_a_shard_that_vanishes_from_the_bucket_mid_run_is_tried_again_then_named(
+        copies, tmp_path, s3_server):
+    """Gone after the run listed and checked its shards (a lifecycle rule, a bucket being
+    re-synced): the proxy answers its reads 404, as S3 does once an object is deleted, while
+    listings still name it. Its fetch is tried again like a GET, then the run ends with one
+    line naming it, and the checkpoints written before stand. (Deleting the object while the
+    run trains would race the fetch of the window ahead.)"""
+    url = s3_server.upload(copies["wds"], "shards", "vanishing")
+    frame = shard_tables(DatasetRoot("wds", str(copies["wds"]), layout="wds")).train
+    (second,) = WindowedBatches(frame.shard.to_numpy(), 64, window=1).windows(0)[1]
+    name = f"imagenet1k-train-{second:04d}.tar"  # its first sample in step 2 of 5
+    proxy = FaultyProxy(s3_server.endpoint, missing=(f"vanishing/{name}",))
+    catalog = write_catalog(tmp_path / "datasets.toml", {"wds": entry(
+        url, "wds", window=1, endpoint_url=proxy.endpoint, cache_dir=str(tmp_path / "cache"))})
+    try:
+        result = run_driver("--catalog", str(catalog), "-a", "test_resnet", "--image-size",
+                            "32", "-b", "64", "-j", "0", "--epochs", "1",
+                            "--checkpoint-interval", "0.0001", "--run-name", "cut", cwd=tmp_path)
+        tries = proxy.counts["missing"]
+    finally:
+        proxy.stop()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: shard {url}/{name} is missing after 3 attempts ("), \
+        message
+    assert message.endswith("resume with --resume auto (the last checkpoint stands)"), message
+    assert tries >= 3  # the read that reports it tried 3 times (the fetch ahead may have too)
+    cut = last(tmp_path / "runs" / "cut")
+    assert (cut["epoch"], cut["epoch_step"]) == (0, 1)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import torch.nn as nn
 
+from app.catalog.storage import DatasetRoot
 from app.runtime.errors import UserError
 from app.training.job import TrainJob
 
@@ -59,10 +61,13 @@ def checkpoint_bytes(model: nn.Module, optimizer: str, ema: bool = False) -> int
 def check_listed_files(job: TrainJob) -> None:
     """Every listed image exists (local datasets: one listing per folder) or a random sample of
     them does (object stores: one request per file). Missing files within --max-bad-fraction
-    are skipped and listed like bad images; more stop the run here."""
+    are skipped and listed like bad images; more stop the run here. Shards: check_shards."""
     listed = pd.concat([listed_files(job.tables.train), listed_files(job.tables.val)],
                        ignore_index=True)
     root = job.root
+    if "shard" in job.tables.train:
+        check_shards(root, listed)
+        return
     if root.is_local:
         checked = listed
         missing = _missing_local(Path(root.root), listed)
@@ -83,6 +88,20 @@ def check_listed_files(job: TrainJob) -> None:
     log.warning("%s; they will be skipped and listed in skipped.tsv", message)
 
 
+def check_shards(root: DatasetRoot, shards: pd.Series) -> None:
+    """Every shard is there, all of them checked (one listing per folder, local or remote): a
+    missing one cannot be skipped, it would shift every later sample of the epoch's order, so
+    it ends the run here instead of when its window comes."""
+    missing = _missing_local(Path(root.root), shards) if root.is_local else \
+        _missing_listed(root, shards)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"dataset '{root.name}': shard {root.describe(missing[0])} is missing"
+                        f"{more}; put it back (a partial download? download it again), or "
+                        "list only the shards there are (`train_shards` / `val_shards` in the "
+                        "entry)")
+
+
 def listed_files(frame: pd.DataFrame) -> pd.Series:
     """The files a split reads: its images, or the shards that hold its samples (`SHARD#N`)."""
     if "shard" not in frame:
@@ -100,7 +119,20 @@ def _missing_local(root: Path, listed: pd.Series) -> list[str]:
             present = set(os.listdir(root / folder))
         except (FileNotFoundError, NotADirectoryError):
             present = set()
-        missing += [f"{folder}/{name}" for name in names if name not in present]
+        missing += [posixpath.join(folder, name) for name in names if name not in present]
+    return missing
+
+
+def _missing_listed(root: DatasetRoot, listed: pd.Series) -> list[str]:
+    """Listed paths not on an object store, with one LIST per folder (and 1,000 names)."""
+    missing = []
+    for folder, names in listed.str.rpartition("/").groupby(0)[2]:
+        try:
+            present = {posixpath.basename(path.rstrip("/")) for path in
+                       root.fs.ls(root.path(folder) if folder else root.root, detail=False)}
+        except FileNotFoundError:
+            present = set()
+        missing += [posixpath.join(folder, name) for name in names if name not in present]
     return missing
 
 
