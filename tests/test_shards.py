@@ -4,10 +4,13 @@ locally and on the loopback S3 server with 2 workers in both sync modes, exact r
 SIGTERM with both decoders, bad samples and damaged shards."""
 
 import json
+import os
 import re
 import shutil
 import tarfile
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -20,6 +23,7 @@ from app.catalog.shards import load_tables as shard_tables
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
 from app.config.sources import parse_config
+from app.data.shard_reader import ShardSamples
 from app.data.windows import WindowedBatches
 from app.launch.run import prepare_job
 from app.runtime.errors import UserError
@@ -28,10 +32,14 @@ from app.training import preflight
 from conftest import run_driver, skipped_rows, write_catalog
 from s3 import FaultyProxy
 from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
-from test_reliability import EXACT, assert_bit_identical, last, stop_with_sigterm_after
+from test_reliability import assert_bit_identical, last, stop_with_sigterm_after
 
 CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
-ONE_EPOCH = (*EXACT, "--epochs", "1")  # 5 classes, 160 images, global batch 8: 20 steps
+# all 10 classes: 320 images, global batch 16: 20 steps
+ONE_EPOCH = ("-a", "test_resnet", "--image-size", "32", "-j", "0", "--lr", "0.2",
+             "--warmup-epochs", "0.5", "--epochs", "1", "-p", "1")
+SPLITS = {sync: ("-b", "8", "--devices", "cpu,cpu", "--sync", sync)
+          for sync in ("ps", "allreduce")}
 
 
 @pytest.fixture(scope="module")
@@ -109,36 +117,23 @@ def test_damaged_parquet_shards_name_the_shard_and_where(copies, tmp_path):
         shard_tables(DatasetRoot("copy", str(folder), layout="parquet"))
 
 
-def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sample(
-        copies, tmp_path, s3_server):
-    """From the bucket (local copies train in the resume tests below): a shard is fetched
-    once for the machine, whichever rank asks first, and samples are read from there."""
-    bucket = {layout: s3_server.upload(folder, "shards", layout)
-              for layout, folder in copies.items()}
-    proxy = FaultyProxy(s3_server.endpoint)  # counts the requests
-    s3 = {"endpoint_url": proxy.endpoint, "cache_dir": str(tmp_path / "cache")}
-    catalog = write_catalog(tmp_path / "datasets.toml", {
-        layout: entry(url, layout, **s3) for layout, url in bucket.items()})
-    try:
-        requests = {}
-        for dataset, sync in (("wds", "ps"), ("parquet", "allreduce")):
-            before = proxy.counts["requests"]
-            result = run_driver("--catalog", str(catalog), "--dataset", dataset, "-a",
-                                "test_resnet", "--image-size", "32", "-b", "16", "-j", "0",
-                                "--epochs", "1", "--devices", "cpu,cpu", "--sync", sync,
-                                "--run-name", dataset, cwd=tmp_path)
-            assert result.returncode == 0, result.stderr
-            requests[dataset] = proxy.counts["requests"] - before
-            assert "320 train / 100 val images" in result.stderr
-            (row,) = skipped_rows(tmp_path / "runs" / dataset)
-            assert row["path"].endswith("0001.tar#5" if dataset == "wds"
-                                        else "train-00001-of-00004.parquet#5")
-            assert row["reason"].startswith("not decodable"), row
-    finally:
-        proxy.stop()
+def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sample(runs):
+    """From the bucket, wds under ps and parquet under allreduce (local copies train in the
+    resume tests below, ending identical to the wds run here): a shard is fetched once for the
+    machine, whichever rank asks first, and samples are read from there."""
+    run, _ = runs
+    requests = {}
+    for dataset, sync in (("wds-s3", "ps"), ("parquet-s3", "allreduce")):
+        done = run(dataset, "pillow", sync)
+        requests[dataset] = done.requests
+        assert "320 train / 100 val images" in done.stderr
+        (row,) = skipped_rows(done.folder)
+        assert row["path"].endswith("0001.tar#5" if dataset == "wds-s3"
+                                    else "train-00001-of-00004.parquet#5")
+        assert row["reason"].startswith("not decodable"), row
     # 420 samples each; a per-image layout makes 420 GETs. Here: a GET per shard (6), the
     # parquet files' footers and labels, and the catalog's lists and lookups.
-    assert requests["wds"] <= 6 + 12 and requests["parquet"] <= 6 * 4 + 12, requests
+    assert requests["wds-s3"] <= 6 + 12 and requests["parquet-s3"] <= 6 * 4 + 12, requests
 
 
 def damage(folder: Path, how: str) -> tuple[Path, str]:
@@ -183,7 +178,7 @@ def test_shards_missing_from_a_bucket_are_named_before_training(copies, tmp_path
     with a listing, not sampled; none may be skipped (every later sample would move)."""
     files = sorted(str(p.relative_to(copies["wds"])) for p in copies["wds"].iterdir())
     gone = ["imagenet1k-train-0001.tar", "imagenet1k-validation-0000.tar"]
-    url = s3_server.upload(copies["wds"], "shards", "partial",
+    url = s3_server.upload(copies["wds"], "shards-partial", "wds",
                            only=[name for name in files if name not in gone])
     catalog = write_catalog(tmp_path / "datasets.toml", {"wds": entry(
         url, "wds", endpoint_url=s3_server.endpoint)})
@@ -201,11 +196,11 @@ def test_a_shard_that_vanishes_from_the_bucket_mid_run_is_tried_again_then_named
     listings still name it. Its fetch is tried again like a GET, then the run ends with one
     line naming it, and the checkpoints written before stand. (Deleting the object while the
     run trains would race the fetch of the window ahead.)"""
-    url = s3_server.upload(copies["wds"], "shards", "vanishing")
+    url = s3_server.upload(copies["wds"], "shards-vanishing", "wds")
     frame = shard_tables(DatasetRoot("wds", str(copies["wds"]), layout="wds")).train
     (second,) = WindowedBatches(frame.shard.to_numpy(), 64, window=1).windows(0)[1]
     name = f"imagenet1k-train-{second:04d}.tar"  # its first sample in step 2 of 5
-    proxy = FaultyProxy(s3_server.endpoint, missing=(f"vanishing/{name}",))
+    proxy = FaultyProxy(s3_server.endpoint, missing=(f"shards-vanishing/wds/{name}",))
     catalog = write_catalog(tmp_path / "datasets.toml", {"wds": entry(
         url, "wds", window=1, endpoint_url=proxy.endpoint, cache_dir=str(tmp_path / "cache"))})
     try:
@@ -225,46 +220,95 @@ def test_a_shard_that_vanishes_from_the_bucket_mid_run_is_tried_again_then_named
     assert (cut["epoch"], cut["epoch_step"]) == (0, 1)
 
 
+class Run(NamedTuple):
+    checkpoint: dict  # the last one
+    folder: Path
+    stderr: str
+    requests: int  # of the bucket
+
+
 @pytest.fixture(scope="module")
-def straight(copies, tmp_path_factory):
-    """straight(layout, decoder): the last checkpoint of an uninterrupted 2-worker run. The two
-    copies hold the same samples in the same shards and order, so a run from one must end
-    identical to a run from the other."""
+def runs(copies, s3_server, tmp_path_factory):
+    """run(dataset, decoder, sync): an uninterrupted one-epoch run with 2 workers, made once.
+    Datasets: the copies as folders (`wds`, `parquet`) and in a bucket behind a proxy that
+    counts the requests (`wds-s3`, `parquet-s3`). They hold the same samples in the same shards
+    and order, so runs from any of them with the same flags must end identical."""
     cwd = tmp_path_factory.mktemp("straight")
+    proxy = FaultyProxy(s3_server.endpoint)
+    s3 = {"endpoint_url": proxy.endpoint, "cache_dir": str(cwd / "cache")}
     catalog = write_catalog(cwd / "datasets.toml", {
-        layout: entry(folder, layout) for layout, folder in copies.items()})
-    ends = {}
+        **{layout: entry(folder, layout) for layout, folder in copies.items()},
+        **{f"{layout}-s3": entry(s3_server.upload(folder, "shards", layout), layout, **s3)
+           for layout, folder in copies.items()}})
+    made = {}
 
-    def end_of(layout: str, decoder: str, split: tuple[str, ...]) -> dict:
-        if (layout, decoder) not in ends:
-            name = f"{layout}-{decoder}"
-            result = run_driver("--catalog", str(catalog), "--dataset", layout, *ONE_EPOCH,
-                                *split, "--decoder", decoder, "--run-name", name, cwd=cwd)
+    def run(dataset: str, decoder: str, sync: str) -> Run:
+        if (dataset, decoder, sync) not in made:
+            name, before = f"{dataset}-{decoder}-{sync}", proxy.counts["requests"]
+            result = run_driver("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH,
+                                *SPLITS[sync], "--decoder", decoder, "--run-name", name,
+                                cwd=cwd)
             assert result.returncode == 0, result.stderr
-            ends[layout, decoder] = last(cwd / "runs" / name)
-        return ends[layout, decoder]
-    return end_of, catalog
+            made[dataset, decoder, sync] = Run(last(cwd / "runs" / name), cwd / "runs" / name,
+                                               result.stderr,
+                                               proxy.counts["requests"] - before)
+        return made[dataset, decoder, sync]
+    yield run, catalog
+    proxy.stop()
 
 
-# Each format resumed with one decoder and run straight with the other: Pillow with 2 workers
-# (ps; both sync modes train in the S3 test above and resume in tests/test_reliability.py),
-# DALI with one (its pipelines cost the most to build on 2 cores).
-@pytest.mark.parametrize("layout, other, decoder, split", [
-    ("wds", "parquet", "pillow", ("-b", "4", "--devices", "cpu,cpu")),
-    ("parquet", "wds", "dali", ("-b", "8"))])
-def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_the_other_format(
-        straight, tmp_path, layout, other, decoder, split):
-    end_of, catalog = straight
-    flags = ("--catalog", str(catalog), "--dataset", layout, *ONE_EPOCH, *split, "--decoder",
-             decoder, "--run-name", "cut")
+# Stopped and resumed from local copies, ending as a straight run of the same decoder and sync
+# mode: (wds, Pillow) and (parquet, Pillow) under ps as the S3 test's wds run, (parquet, DALI)
+# under allreduce as a local wds run. So each format trains in both sync modes locally, and
+# S3 in both too (the S3 test). DALI's pipelines cost the most to build on 2 cores.
+@pytest.mark.parametrize("dataset, decoder, sync, reference", [
+    ("wds", "pillow", "ps", "wds-s3"), ("parquet", "pillow", "ps", "wds-s3"),
+    ("parquet", "dali", "allreduce", "wds")])
+def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_a_straight_run(
+        runs, tmp_path, dataset, decoder, sync, reference):
+    run, catalog = runs
+    flags = ("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH, *SPLITS[sync],
+             "--decoder", decoder, "--run-name", "cut")
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
     assert code == PREEMPTED_EXIT_CODE, stderr
     cut = last(tmp_path / "runs" / "cut")
     assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
     resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert_bit_identical(end_of(other, decoder, split), last(tmp_path / "runs" / "cut"),
-                         end=(1, 20))
+    assert_bit_identical(run(reference, decoder, sync).checkpoint,
+                         last(tmp_path / "runs" / "cut"), end=(1, 20))
+
+
+def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(tiny_sample,
+                                                                            tmp_path):
+    """W = 1 over 8 parquet shards (unpacked into the cache) and room for 4: read window after
+    window, the cache holds the 4 most recently used shards, the previous, current and next
+    windows among them, and never more than its bound."""
+    folder = write_parquet(tiny_sample, tmp_path / "copy", train_shards=8)
+    files = sorted((folder / "data").glob("train-*.parquet"))
+    sizes = sorted(sum(len(image["bytes"]) for image in pq.read_table(path)["image"].to_pylist())
+                   for path in files)
+    bound = sum(sizes[-4:])  # any 4 fit, no 5 do
+    assert sum(sizes[:5]) > bound
+    root = DatasetRoot("copy", str(folder), layout="parquet", options={
+        "cache_dir": str(tmp_path / "cache"), "cache_max_gb": bound / 2**30})
+    frame = shard_tables(root).train
+    batches = WindowedBatches(frame.shard.to_numpy(), 8, window=1)
+    samples = ShardSamples(root, frame, batches)
+    windows = [int(w[0]) for w in batches.windows(0)]
+    data = samples.store.folder / "data"
+    for k, shard in enumerate(windows[:-1]):
+        time.sleep(0.02)  # file times tick in jiffies: keep the windows' uses apart
+        rows = batches.rows_of(np.array([shard]))[:3].tolist()
+        assert [d for d, _, _ in samples.read(rows)] == [
+            pq.read_table(files[shard])["image"].to_pylist()[n]["bytes"]
+            for n in frame.path[rows].str.rsplit("#", n=1).str[1].astype(int)]
+        samples._prefetch.join()  # noqa: SLF001 (the next window fetched, the cache trimmed)
+        held = {entry.name for entry in os.scandir(data) if not entry.name.startswith(".")}
+        assert held == {f"data__{files[w].name}"
+                        for w in windows[max(0, k - 2):k + 2]}, k
+        assert samples.store.used_bytes() <= bound
+
 
 @pytest.fixture
 def dotted_folders(tiny_imagefolder, tmp_path) -> Path:
