@@ -9,6 +9,7 @@ import re
 import shutil
 import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -279,11 +280,12 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_a_straight_run(
                          last(tmp_path / "runs" / "cut"), end=(1, 20))
 
 
-def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(tiny_sample,
-                                                                            tmp_path):
+def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(
+        tiny_sample, tmp_path, caplog):
     """W = 1 over 8 parquet shards (unpacked into the cache) and room for 4: read window after
     window, the cache holds the 4 most recently used shards, the previous, current and next
-    windows among them, and never more than its bound."""
+    windows among them, and never more than its bound. With W = 2 those 3 windows would not
+    fit: the run is told at the start."""
     folder = write_parquet(tiny_sample, tmp_path / "copy", train_shards=8)
     files = sorted((folder / "data").glob("train-*.parquet"))
     sizes = sorted(sum(len(image["bytes"]) for image in pq.read_table(path)["image"].to_pylist())
@@ -291,8 +293,14 @@ def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(tiny
     bound = sum(sizes[-4:])  # any 4 fit, no 5 do
     assert sum(sizes[:5]) > bound
     root = DatasetRoot("copy", str(folder), layout="parquet", options={
-        "cache_dir": str(tmp_path / "cache"), "cache_max_gb": bound / 2**30})
+        "cache_dir": str(tmp_path / "cache"), "cache_max_gb": bound / 2**30, "window": 1})
     frame = shard_tables(root).train
+    listed = preflight.listed_files(frame)
+    for window, warned in ((1, False), (2, True)):
+        caplog.clear()
+        preflight.check_shards(replace(root, options={**root.options, "window": window}),
+                               listed)
+        assert ("raise `cache_max_gb` or lower `window`" in caplog.text) == warned, window
     batches = WindowedBatches(frame.shard.to_numpy(), 8, window=1)
     samples = ShardSamples(root, frame, batches)
     windows = [int(w[0]) for w in batches.windows(0)]
