@@ -36,11 +36,12 @@ from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
 from test_reliability import assert_bit_identical, last, stop_with_sigterm_after
 
 CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
-# all 10 classes: 320 images, global batch 16: 20 steps
+# all 10 classes: 320 images, global batch 16 (SPLITS): 20 steps
 ONE_EPOCH = ("-a", "test_resnet", "--image-size", "32", "-j", "0", "--lr", "0.2",
              "--warmup-epochs", "0.5", "--epochs", "1", "-p", "1")
-SPLITS = {sync: ("-b", "8", "--devices", "cpu,cpu", "--sync", sync)
-          for sync in ("ps", "allreduce")}
+SPLITS = {"ps": ("-b", "8", "--devices", "cpu,cpu", "--sync", "ps"),
+          "allreduce": ("-b", "8", "--devices", "cpu,cpu", "--sync", "allreduce"),
+          "1 worker": ("-b", "16")}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_damaged_parquet_shards_name_the_shard_and_where(copies, tmp_path):
 
 def test_train_from_s3_with_2_workers_in_few_requests_and_list_the_corrupt_sample(runs):
     """From the bucket, wds under ps and parquet under allreduce (local copies train in the
-    resume tests below, ending identical to the wds run here): a shard is fetched once for the
+    resume tests below, ending identical to these runs): a shard is fetched once for the
     machine, whichever rank asks first, and samples are read from there."""
     run, _ = runs
     requests = {}
@@ -230,7 +231,7 @@ class Run(NamedTuple):
 
 @pytest.fixture(scope="module")
 def runs(copies, s3_server, tmp_path_factory):
-    """run(dataset, decoder, sync): an uninterrupted one-epoch run with 2 workers, made once.
+    """run(dataset, decoder, split): an uninterrupted one-epoch run (SPLITS), made once.
     Datasets: the copies as folders (`wds`, `parquet`) and in a bucket behind a proxy that
     counts the requests (`wds-s3`, `parquet-s3`). They hold the same samples in the same shards
     and order, so runs from any of them with the same flags must end identical."""
@@ -243,32 +244,32 @@ def runs(copies, s3_server, tmp_path_factory):
            for layout, folder in copies.items()}})
     made = {}
 
-    def run(dataset: str, decoder: str, sync: str) -> Run:
-        if (dataset, decoder, sync) not in made:
-            name, before = f"{dataset}-{decoder}-{sync}", proxy.counts["requests"]
+    def run(dataset: str, decoder: str, split: str) -> Run:
+        if (dataset, decoder, split) not in made:
+            name, before = f"{dataset}-{decoder}-{len(made)}", proxy.counts["requests"]
             result = run_driver("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH,
-                                *SPLITS[sync], "--decoder", decoder, "--run-name", name,
+                                *SPLITS[split], "--decoder", decoder, "--run-name", name,
                                 cwd=cwd)
             assert result.returncode == 0, result.stderr
-            made[dataset, decoder, sync] = Run(last(cwd / "runs" / name), cwd / "runs" / name,
-                                               result.stderr,
-                                               proxy.counts["requests"] - before)
-        return made[dataset, decoder, sync]
+            made[dataset, decoder, split] = Run(last(cwd / "runs" / name),
+                                                cwd / "runs" / name, result.stderr,
+                                                proxy.counts["requests"] - before)
+        return made[dataset, decoder, split]
     yield run, catalog
     proxy.stop()
 
 
-# Stopped and resumed from local copies, ending as a straight run of the same decoder and sync
-# mode: (wds, Pillow) and (parquet, Pillow) under ps as the S3 test's wds run, (parquet, DALI)
-# under allreduce as a local wds run. So each format trains in both sync modes locally, and
-# S3 in both too (the S3 test). DALI's pipelines cost the most to build on 2 cores.
-@pytest.mark.parametrize("dataset, decoder, sync, reference", [
-    ("wds", "pillow", "ps", "wds-s3"), ("parquet", "pillow", "ps", "wds-s3"),
-    ("parquet", "dali", "allreduce", "wds")])
+# Stopped and resumed from local copies, ending as a straight run of the same decoder and
+# split: (wds, Pillow) under ps and (parquet, Pillow) under allreduce as the S3 test's runs, so
+# both sync modes train locally and on S3; (parquet, DALI) as a local wds run, with one worker
+# (DALI's pipelines cost the most to build on 2 cores).
+@pytest.mark.parametrize("dataset, decoder, split, reference", [
+    ("wds", "pillow", "ps", "wds-s3"), ("parquet", "pillow", "allreduce", "parquet-s3"),
+    ("parquet", "dali", "1 worker", "wds")])
 def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_a_straight_run(
-        runs, tmp_path, dataset, decoder, sync, reference):
+        runs, tmp_path, dataset, decoder, split, reference):
     run, catalog = runs
-    flags = ("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH, *SPLITS[sync],
+    flags = ("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH, *SPLITS[split],
              "--decoder", decoder, "--run-name", "cut")
     code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
     assert code == PREEMPTED_EXIT_CODE, stderr
@@ -276,7 +277,7 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_a_straight_run(
     assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
     resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert_bit_identical(run(reference, decoder, sync).checkpoint,
+    assert_bit_identical(run(reference, decoder, split).checkpoint,
                          last(tmp_path / "runs" / "cut"), end=(1, 20))
 
 
