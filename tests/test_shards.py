@@ -36,12 +36,12 @@ from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
 from test_reliability import assert_bit_identical, last, stop_with_sigterm_after
 
 CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
-# all 10 classes: 320 images, global batch 16 (SPLITS): 20 steps
+# all 10 classes: 320 images, global batch 32 (SPLITS): 10 steps
 ONE_EPOCH = ("-a", "test_resnet", "--image-size", "32", "-j", "0", "--lr", "0.2",
              "--warmup-epochs", "0.5", "--epochs", "1", "-p", "1")
-SPLITS = {"ps": ("-b", "8", "--devices", "cpu,cpu", "--sync", "ps"),
-          "allreduce": ("-b", "8", "--devices", "cpu,cpu", "--sync", "allreduce"),
-          "1 worker": ("-b", "16")}
+SPLITS = {"ps": ("-b", "16", "--devices", "cpu,cpu", "--sync", "ps"),
+          "allreduce": ("-b", "16", "--devices", "cpu,cpu", "--sync", "allreduce"),
+          "1 worker": ("-b", "32")}
 
 
 @pytest.fixture(scope="module")
@@ -271,14 +271,14 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical_to_a_straight_run(
     run, catalog = runs
     flags = ("--catalog", str(catalog), "--dataset", dataset, *ONE_EPOCH, *SPLITS[split],
              "--decoder", decoder, "--run-name", "cut")
-    code, stderr = stop_with_sigterm_after(tmp_path, flags, step=5)
+    code, stderr = stop_with_sigterm_after(tmp_path, flags, step=3)  # of 10
     assert code == PREEMPTED_EXIT_CODE, stderr
     cut = last(tmp_path / "runs" / "cut")
-    assert 0 < cut["epoch_step"] < 20 and cut["epoch"] == 0
+    assert 0 < cut["epoch_step"] < 10 and cut["epoch"] == 0
     resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert_bit_identical(run(reference, decoder, split).checkpoint,
-                         last(tmp_path / "runs" / "cut"), end=(1, 20))
+                         last(tmp_path / "runs" / "cut"), end=(1, 10))
 
 
 def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(
