@@ -76,26 +76,29 @@ class MotoServer:
 
 
 COUNTS_PATH = "/__proxy_counts__"
+MISSING = "missing:"  # on the proxy's command line: a key answered 404
 
 
 class FaultyProxy:
     """An HTTP proxy on loopback, in its own process (so it takes no CPU time from the process
     under test): every request waits `latency_s`; a `fail_fraction` of them is answered
-    503 SlowDown, a `drop_fraction` gets its connection closed without an answer, and keys
-    containing one of `always_fail` always get a 503. It counts requests, requests in flight,
-    the requests to `always_fail` keys, and who signed them (access key ids, or unsigned).
+    503 SlowDown, a `drop_fraction` gets its connection closed without an answer, keys
+    containing one of `always_fail` always get a 503, and reads of keys containing one of
+    `missing` a 404 NoSuchKey (listings still name them: an object deleted after it was
+    listed). It counts requests, requests in flight, the requests to `always_fail` and
+    `missing` keys, and who signed them (access key ids, or unsigned).
     With `remember`, a GET of an object it has fetched before is answered from memory: an S3
     that keeps up (moto_server spends ~2.6 ms of CPU on each request), for benchmarks of the
     client alone."""
 
     def __init__(self, upstream: str, latency_s: float = 0.0, fail_fraction: float = 0.0,
                  drop_fraction: float = 0.0, always_fail: tuple[str, ...] = (), seed: int = 0,
-                 remember: bool = False):
+                 remember: bool = False, missing: tuple[str, ...] = ()):
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, __file__, str(self.port), upstream, str(latency_s),
              str(fail_fraction), str(drop_fraction), str(seed), str(int(remember)),
-             *always_fail])
+             *always_fail, *(MISSING + key for key in missing)])
         wait_for_port(self.port)
 
     @property
@@ -113,12 +116,12 @@ class FaultyProxy:
 
 
 def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float,
-                drop_fraction: float, seed: int, always_fail: list[str], remember: bool = False
-                ) -> None:
+                drop_fraction: float, seed: int, always_fail: list[str], remember: bool = False,
+                missing: tuple[str, ...] = ()) -> None:
     chance = random.Random(seed)
     remembered: dict[str, tuple[bytes, dict]] = {}  # path -> (body, headers) of whole GETs
     counts = {"requests": 0, "failed": 0, "dropped": 0, "in_flight": 0, "most_in_flight": 0,
-              "always_failed": 0, "unsigned": 0, "signed_by": {}}
+              "always_failed": 0, "missing": 0, "unsigned": 0, "signed_by": {}}
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == COUNTS_PATH:
@@ -141,6 +144,11 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
         if latency_s:
             await asyncio.sleep(latency_s)
         roll = chance.random()
+        if request.method in ("GET", "HEAD") and any(key in request.path for key in missing):
+            counts["missing"] += 1
+            return web.Response(status=404, content_type="application/xml", text=(
+                "<Error><Code>NoSuchKey</Code><Message>The specified key does not exist."
+                "</Message></Error>"))
         doomed = any(key in request.path for key in always_fail)
         counts["always_failed"] += doomed
         if doomed or roll < fail_fraction:
@@ -183,5 +191,6 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
 
 if __name__ == "__main__":
     port, upstream, latency, fail, drop, seed, remember, *keys = sys.argv[1:]
-    serve_proxy(int(port), upstream, float(latency), float(fail), float(drop), int(seed), keys,
-                remember == "1")
+    serve_proxy(int(port), upstream, float(latency), float(fail), float(drop), int(seed),
+                [key for key in keys if not key.startswith(MISSING)], remember == "1",
+                [key[len(MISSING):] for key in keys if key.startswith(MISSING)])

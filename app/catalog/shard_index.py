@@ -36,6 +36,16 @@ class ShardError(UserError):
     """A shard that cannot be read as its format says."""
 
 
+RESUME = "resume with --resume auto (the last checkpoint stands)"
+
+
+def missing_shard(shard: str, how: str = "") -> ShardError:
+    """A shard listed for the split that is not there (any more): removed or moved since the
+    run started, or a partial copy."""
+    return ShardError(f"shard {shard} is missing{how}; put it back (download or copy it "
+                      f"again), then {RESUME}")
+
+
 @dataclass(frozen=True)
 class ShardIndex:
     offsets: np.ndarray  # int64: the image bytes' first byte in the local data file
@@ -67,7 +77,10 @@ def split_member_name(name: str) -> tuple[str, str]:
 
 def index_tar(path: Path, shard: str) -> ShardIndex:
     """The samples of a local tar, in member order; `shard` names it in messages."""
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise missing_shard(shard) from None
     offsets, sizes, labels = [], [], []
     key, image, label = None, None, None
 
@@ -125,6 +138,8 @@ def parquet_file(source, shard: str):
     import pyarrow.parquet as pq  # noqa: PLC0415
     try:
         return pq.ParquetFile(source)
+    except FileNotFoundError:
+        raise missing_shard(shard) from None
     except (pa.ArrowInvalid, OSError) as error:
         end = os.path.getsize(source) if isinstance(source, (str, Path)) else source.seek(0, 2)
         raise ShardError(f"shard {shard} is truncated or not parquet: no readable footer at "

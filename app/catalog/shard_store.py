@@ -23,10 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.catalog.shard_index import ShardError, ShardIndex, index_tar, unpack_parquet
+from app.catalog.shard_index import (RESUME, ShardError, ShardIndex, index_tar, missing_shard,
+                                     unpack_parquet)
 from app.catalog.storage import DatasetRoot, default_cache_dir
 from app.runtime.errors import first_line
-from app.runtime.files import atomic_path, temporary_path
+from app.runtime.files import atomic_path, remove_temporaries, temporary_path
 
 DEFAULT_CACHE_GB = 50.0
 CHUNK_BYTES = 16 << 20  # per read of a fetched shard: a 1 GB shard is a few dozen reads
@@ -81,8 +82,7 @@ class ShardStore:
         """Under the shard's lock: any temporary file of this shard is a killed holder's."""
         for folder in ("index", "data"):
             (self.folder / folder).mkdir(parents=True, exist_ok=True)
-            for stale in (self.folder / folder).glob(f".{_flat(shard)}.*"):
-                stale.unlink(missing_ok=True)
+            remove_temporaries(self.folder / folder, f".{_flat(shard)}.*")
         index_file, data = self.index_path(shard), self.data_path(shard)
         if self.in_place:
             index_tar(data, self.root.describe(shard)).save(index_file)
@@ -116,12 +116,20 @@ class ShardStore:
                 return
             except Exception as failure:  # noqa: BLE001 (missing, 5xx, dropped: try again)
                 error = failure
-        missing = isinstance(error, FileNotFoundError)
-        raise ShardError(f"shard {self.root.describe(shard)}: "
-                         f"{'missing' if missing else 'unreadable'} after {ATTEMPTS} attempts "
-                         f"({first_line(error, 120, with_type=True)}); check that it is there "
-                         "and readable, then resume with --resume auto (the last checkpoint "
-                         "stands)")
+        cause = f" after {ATTEMPTS} attempts ({first_line(error, 120, with_type=True)})"
+        if self.not_found(error):
+            raise missing_shard(self.root.describe(shard), cause)
+        raise ShardError(f"shard {self.root.describe(shard)} is unreadable{cause}; check that "
+                         f"it is readable, then {RESUME}")
+
+    def not_found(self, error: BaseException | None) -> bool:
+        """fsspec says FileNotFoundError; obstore's NotFoundError is not one."""
+        if isinstance(error, FileNotFoundError):
+            return True
+        if self.root.reader != "obstore":
+            return False
+        from obstore.exceptions import NotFoundError  # noqa: PLC0415
+        return isinstance(error, NotFoundError)
 
     def _copy(self, shard: str, out) -> None:
         if self.root.reader == "obstore":

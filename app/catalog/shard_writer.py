@@ -2,17 +2,23 @@
 shards in the forms the shard layouts read (app/catalog/shards.py), Hugging Face's own:
 
 - wds: `imagenet1k-{train,validation}-NNNN.tar` with `KEY.jpg` (the image's bytes as they are:
-  nothing is re-encoded), `KEY.cls` (the class index) and `KEY.json` per sample, and
-  `_info.json` with each split's shards and their sample counts (timm's form);
+  nothing is re-encoded; `.png` etc. for images of another format), `KEY.cls` (the class
+  index) and `KEY.json` (the source's path) per sample, and `_info.json` with each split's
+  shards and their sample counts (timm's form). KEY is the split and the sample's place in the
+  split's order (`train_00001234`): readers cut a member's name at its first dot, so a key
+  made from a file name (`photo.2020.jpg`, or `n01_1.JPEG` in two class folders) would split
+  or merge samples;
 - parquet: `data/{train,validation}-NNNNN-of-NNNNN.parquet` with `image` = struct<bytes, path>
-  and `label` (int64), and the `datasets` library's feature metadata (Image, ClassLabel).
+  (the source's relative path) and `label` (int64), and the `datasets` library's feature
+  metadata (Image, ClassLabel).
 
 The class index is the entry's label (its LOC_synset_mapping.txt order: for ImageNet the sorted
 wnids), and LOC_synset_mapping.txt is written beside the shards, so their classes keep their
 names. Samples are shuffled across shards with a fixed seed (as Hugging Face's copies are), so
 every window of shards holds a mix of classes. The plan (order, samples per shard) is a
 function of the dataset and the arguments, written first: a killed run, started again with
-the same arguments, keeps the shards it finished and writes the others.
+the same arguments, keeps the shards it finished, removes the temporary file of the one it was
+writing and writes the others.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import json
 import logging
 import re
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pandas as pd
@@ -31,17 +37,18 @@ from tqdm import tqdm
 
 from app.catalog.catalog import Catalog
 from app.catalog.labels import SYNSET_MAPPING
-from app.catalog.shard_index import index_tar
+from app.catalog.shard_index import IMAGE_EXTENSIONS, index_tar
 from app.catalog.shards import INFO_FILE, INFO_SPLITS
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.catalog.tables import load_tables
 from app.runtime.errors import UserError, first_line
-from app.runtime.files import atomic_path, write_atomically
+from app.runtime.files import atomic_path, remove_temporaries, write_atomically
 
 log = logging.getLogger("imagenet_dp")
 PLAN_FILE = ".make_shards.json"
 READ_BATCH = 64  # images read at once (concurrently on object stores)
 SIZE_PROBE = 256  # images whose mean size sets the samples per shard
+Sample = tuple[str, str, bytes, int]  # (key, the source's relative path, bytes, label)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30}
 
@@ -82,6 +89,9 @@ def write_shards(root: DatasetRoot, out: Path, layout: str, shard_bytes: int, se
             "splits": {split: plan_split(root, frame, shard_bytes, seed)
                        for split, frame in splits.items()}}
     check_plan(out, plan)
+    for folder in (out, out / "data"):  # a killed run's half-written shard
+        for path in remove_temporaries(folder):
+            log.info("removed %s, left by a run that was stopped while writing it", path)
     write_atomically(out / SYNSET_MAPPING, "".join(
         f"{wnid} {words}\n" for wnid, words in zip(tables.wnids, tables.descriptions)))
     names = {split: shard_names(layout, split, len(plan["splits"][split]["shards"]))
@@ -89,9 +99,13 @@ def write_shards(root: DatasetRoot, out: Path, layout: str, shard_bytes: int, se
     total = sum(len(frame) for frame in splits.values())
     with tqdm(total=total, unit="img", desc=f"writing {layout} shards") as progress:
         for split, frame in splits.items():
+            first = 0  # the shard's first sample's place in the split's order: its keys
             for name, rows in zip(names[split], plan["splits"][split]["shards"]):
                 if not (out / name).exists():  # finished by an earlier run: kept
-                    write_shard(root, frame.iloc[rows], out / name, layout, tables.wnids)
+                    keys = [f"{INFO_SPLITS[split]}_{n:08d}"
+                            for n in range(first, first + len(rows))]
+                    write_shard(root, frame.iloc[rows], keys, out / name, layout, tables.wnids)
+                first += len(rows)
                 progress.update(len(rows))
     if layout == "wds":
         write_info(out, names)
@@ -139,29 +153,40 @@ def read_images(root: DatasetRoot, paths: pd.Series):
             yield (data if isinstance(data, bytes) else None), path
 
 
-def write_shard(root: DatasetRoot, frame: pd.DataFrame, target: Path, layout: str,
-                wnids: list[str]) -> None:
-    samples = []
-    for (data, path), label in zip(read_images(root, frame.path), frame.label):
+def write_shard(root: DatasetRoot, frame: pd.DataFrame, keys: list[str], target: Path,
+                layout: str, wnids: list[str]) -> None:
+    samples: list[Sample] = []
+    for key, (data, path), label in zip(keys, read_images(root, frame.path), frame.label):
         if data is None:
             log.warning("left out %s: it cannot be read", root.describe(path))
             continue
-        samples.append((Path(path).name, data, int(label)))
+        samples.append((key, path, data, int(label)))
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as temporary:
         (write_tar if layout == "wds" else write_parquet)(temporary, samples, wnids)
 
 
-def write_tar(path: Path, samples: list[tuple[str, bytes, int]], wnids: list[str]) -> None:
+def write_tar(path: Path, samples: list[Sample], wnids: list[str]) -> None:
+    # a key twice, or one with a dot, would merge or split samples in every reader
+    assert len({key for key, *_ in samples}) == len(samples), "sample keys must be unique"
+    assert not any("." in key or "/" in key for key, *_ in samples), "keys have no . or /"
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for file_name, data, label in samples:
-            key = file_name.rsplit(".", 1)[0]
-            meta = {"filename": file_name, "label": label, "wnid": wnids[label]}
-            for extension, payload in (("jpg", data), ("cls", f"{label}".encode()),
+        for key, source, data, label in samples:
+            meta = {"filename": PurePosixPath(source).name, "path": source, "label": label,
+                    "wnid": wnids[label]}
+            for extension, payload in ((image_extension(source), data),
+                                       ("cls", f"{label}".encode()),
                                        ("json", json.dumps(meta).encode())):
                 member = tarfile.TarInfo(f"{key}.{extension}")
                 member.size, member.mode = len(payload), 0o644
                 tar.addfile(member, io.BytesIO(payload))
+
+
+def image_extension(source: str) -> str:
+    """The member's extension: the source's own for an image format webdataset decodes
+    (`.png` stays `.png`), `jpg` for JPEG as timm's copies name it."""
+    suffix = PurePosixPath(source).suffix.lower().lstrip(".")
+    return suffix if suffix in IMAGE_EXTENSIONS and suffix != "jpeg" else "jpg"
 
 
 def parquet_schema(wnids: list[str]):
@@ -173,11 +198,11 @@ def parquet_schema(wnids: list[str]):
                      metadata={"huggingface": json.dumps({"info": {"features": features}})})
 
 
-def write_parquet(path: Path, samples: list[tuple[str, bytes, int]], wnids: list[str]) -> None:
+def write_parquet(path: Path, samples: list[Sample], wnids: list[str]) -> None:
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
-    table = pa.table({"image": [{"bytes": data, "path": name} for name, data, _ in samples],
-                      "label": [label for _, _, label in samples]}, schema=parquet_schema(wnids))
+    table = pa.table({"image": [{"bytes": data, "path": source} for _, source, data, _ in samples],
+                      "label": [label for *_, label in samples]}, schema=parquet_schema(wnids))
     # JPEG bytes do not compress; row groups of ~100 images keep a reader's memory small
     pq.write_table(table, path, row_group_size=100, compression="none")
 

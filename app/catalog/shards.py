@@ -30,7 +30,7 @@ import pandas as pd
 from app.catalog import imagenet_classes
 from app.catalog.labels import (SYNSET_MAPPING, Classes, ClassIndex, Tables, parse_synset_mapping,
                                 select_classes)
-from app.catalog.shard_index import ShardError, parquet_labels
+from app.catalog.shard_index import ShardError, missing_shard, parquet_labels
 from app.catalog.shard_store import ShardStore
 from app.catalog.storage import DatasetRoot
 from app.runtime.errors import UserError
@@ -140,8 +140,11 @@ def shard_labels(root: DatasetRoot, names: list[str], report: Callable[[str], No
     if root.layout == "parquet":
         labels = []
         for name in names:
-            with root.fs.open(root.path(name), "rb") as handle:
-                labels.append(parquet_labels(handle, root.describe(name)))
+            try:
+                with root.fs.open(root.path(name), "rb") as handle:
+                    labels.append(parquet_labels(handle, root.describe(name)))
+            except FileNotFoundError:  # listed a moment ago: removed since
+                raise missing_shard(root.describe(name)) from None
         return labels
     store = ShardStore(root)
     todo = [name for name in names if not store.ready(name)]

@@ -18,6 +18,16 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TEMPORARY_SUFFIX}")
 
 
+def remove_temporaries(folder: Path, pattern: str = f".*{TEMPORARY_SUFFIX}") -> list[Path]:
+    """Temporary files in `folder` (matching `pattern`) of writers killed before their rename:
+    never read, only in the way (and copied along by `aws s3 sync`). Call it only where no
+    other process writes the same files at the time."""
+    stale = [path for path in Path(folder).glob(pattern) if path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
     """Yields a temporary path to write; on success it is renamed onto `path`, on failure

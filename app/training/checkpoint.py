@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from app.models.saved_weights import CHECKPOINT_FORMAT as FORMAT
 from app.runtime.errors import UserError, first_line
-from app.runtime.files import TEMPORARY_SUFFIX, atomic_path, fsync_folder
+from app.runtime.files import atomic_path, fsync_folder, remove_temporaries
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -130,10 +130,7 @@ class CheckpointFolder:
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Half-written files of processes that were killed while saving."""
-        stale = [p for p in self.folder.glob(f".*{TEMPORARY_SUFFIX}") if p.is_file()]
-        for path in stale:
-            path.unlink(missing_ok=True)
-        return stale
+        return remove_temporaries(self.folder)
 
 
 def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:

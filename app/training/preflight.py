@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import torch.nn as nn
 
+from app.catalog.shard_store import ShardStore
+from app.catalog.storage import DatasetRoot
+from app.data.windows import DEFAULT_WINDOW
 from app.runtime.errors import UserError
 from app.training.job import TrainJob
 
@@ -59,10 +63,13 @@ def checkpoint_bytes(model: nn.Module, optimizer: str, ema: bool = False) -> int
 def check_listed_files(job: TrainJob) -> None:
     """Every listed image exists (local datasets: one listing per folder) or a random sample of
     them does (object stores: one request per file). Missing files within --max-bad-fraction
-    are skipped and listed like bad images; more stop the run here."""
+    are skipped and listed like bad images; more stop the run here. Shards: check_shards."""
     listed = pd.concat([listed_files(job.tables.train), listed_files(job.tables.val)],
                        ignore_index=True)
     root = job.root
+    if "shard" in job.tables.train:
+        check_shards(root, listed)
+        return
     if root.is_local:
         checked = listed
         missing = _missing_local(Path(root.root), listed)
@@ -83,6 +90,38 @@ def check_listed_files(job: TrainJob) -> None:
     log.warning("%s; they will be skipped and listed in skipped.tsv", message)
 
 
+def check_shards(root: DatasetRoot, shards: pd.Series) -> None:
+    """Every shard is there, all of them checked (one listing per folder, local or remote): a
+    missing one cannot be skipped, it would shift every later sample of the epoch's order, so
+    it ends the run here instead of when its window comes. Then the cache's room."""
+    sizes = _shard_sizes(root, shards)
+    missing = [shard for shard in shards if shard not in sizes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"dataset '{root.name}': shard {root.describe(missing[0])} is missing"
+                        f"{more}; put it back (a partial download? download it again), or "
+                        "list only the shards there are (`train_shards` / `val_shards` in the "
+                        "entry)")
+    check_shard_cache(root, list(sizes.values()))
+
+
+def check_shard_cache(root: DatasetRoot, sizes: list[int]) -> None:
+    """The shard cache never evicts the previous, current and next windows: where those alone
+    pass its bound, it grows past the bound (a disk filling up hours in is worse than a line
+    now)."""
+    store = ShardStore(root)
+    window = root.options.get("window", DEFAULT_WINDOW)
+    if store.in_place or not sizes:  # local tars are read where they are
+        return
+    mean = sum(sizes) / len(sizes)
+    needed = min(3 * window * mean, sum(sizes))
+    if needed > store.max_bytes:
+        log.warning("dataset '%s': 3 windows of %d shards (%s each on average) need about %s "
+                    "of shard cache, more than its cache_max_gb = %g: the cache will grow "
+                    "past that bound; raise `cache_max_gb` or lower `window` in the entry",
+                    root.name, window, _size(mean), _size(needed), store.max_bytes / 2**30)
+
+
 def listed_files(frame: pd.DataFrame) -> pd.Series:
     """The files a split reads: its images, or the shards that hold its samples (`SHARD#N`)."""
     if "shard" not in frame:
@@ -100,8 +139,23 @@ def _missing_local(root: Path, listed: pd.Series) -> list[str]:
             present = set(os.listdir(root / folder))
         except (FileNotFoundError, NotADirectoryError):
             present = set()
-        missing += [f"{folder}/{name}" for name in names if name not in present]
+        missing += [posixpath.join(folder, name) for name in names if name not in present]
     return missing
+
+
+def _shard_sizes(root: DatasetRoot, shards: pd.Series) -> dict[str, int]:
+    """The sizes of the listed shards that are there: one listing per folder (on an object
+    store one LIST request per 1,000 names)."""
+    sizes = {}
+    for folder, names in shards.str.rpartition("/").groupby(0)[2]:
+        try:
+            listed = root.fs.ls(root.path(folder) if folder else root.root, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            listed = []
+        found = {posixpath.basename(entry["name"].rstrip("/")): entry["size"] for entry in listed}
+        sizes.update({posixpath.join(folder, name): int(found[name])
+                      for name in names if name in found})
+    return sizes
 
 
 def _exists_remote(root, path: str) -> bool:
@@ -123,3 +177,7 @@ def remove_stale_temporaries(job: TrainJob) -> None:
 
 def _gib(size: float) -> str:
     return f"{size / 2**30:.1f} GiB"
+
+
+def _size(size: float) -> str:
+    return _gib(size) if size >= 2**30 else f"{size / 2**20:.1f} MiB"
