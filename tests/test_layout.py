@@ -204,10 +204,9 @@ def test_name_tables_match_the_config_choices():
     assert choices("augment", "auto_augment") == AUTO_AUGMENT
 
 
-def test_dalis_reader_processes_import_no_torch():
-    """They run the recipes' plan() (crops, flips, auto-augment draws) and need no torch."""
-    graph, files = import_graph(), {module_name(p): p for p in APP.rglob("*.py")}
-    reached, todo = set(), ["app.data.dali_source"]
+def reached_from(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """The modules of app/ that importing `start` may load (in-function imports included)."""
+    reached, todo = set(), [start]
     while todo:
         module = todo.pop()
         if module not in reached:
@@ -215,11 +214,40 @@ def test_dalis_reader_processes_import_no_torch():
             todo += graph[module]
             # importing app.data.x runs app/__init__.py and app/data/__init__.py first
             todo += [".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 1)]
+    return reached
+
+
+def external_imports(tree: ast.AST, top_level_only: bool = False) -> set[str]:
+    """The top-level names of the packages a module imports (`torch`, `PIL`, ...); with
+    `top_level_only`, not those imported inside a function when it is called."""
+    found, todo = set(), [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+        if not (top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                     ast.Lambda))):
+            todo += ast.iter_child_nodes(node)
+    return found
+
+
+def test_dalis_reader_processes_import_no_torch():
+    """They run the recipes' plan() (crops, flips, auto-augment draws) and need no torch."""
+    graph, files = import_graph(), {module_name(p): p for p in APP.rglob("*.py")}
+    reached = reached_from("app.data.dali_source", graph)
     for module in reached:
-        tree = ast.parse(files[module].read_text())
-        names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names]
-        names += [node.module or "" for node in ast.walk(tree)
-                  if isinstance(node, ast.ImportFrom)]
-        assert not [n for n in names if n.split(".")[0] in ("torch", "torchvision")], module
+        names = external_imports(ast.parse(files[module].read_text()))
+        assert not names & {"torch", "torchvision"}, module
     assert {"app.data.augment", "app.data.auto_augment"} <= reached
+
+
+def test_pillow_loader_processes_load_no_torchvision_or_timm():
+    """Each loader process imports its dataset's module; torchvision (which pulls in
+    torch._dynamo) costs it ~3 s of CPU and is imported only by an auto-augment op that runs."""
+    graph, files = import_graph(), {module_name(p): p for p in APP.rglob("*.py")}
+    for start in ("app.data.pillow_pipeline", "app.data.encoded"):
+        for module in reached_from(start, graph):
+            names = external_imports(ast.parse(files[module].read_text()), top_level_only=True)
+            assert not names & {"torchvision", "timm"}, (start, module)

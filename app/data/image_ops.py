@@ -21,19 +21,31 @@ scalars instead, so the ops never stall the training loop.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as F
 
 from app.data.auto_augment import Ops
 
-BILINEAR = InterpolationMode.BILINEAR
 Picture = TypeVar("Picture", Image.Image, torch.Tensor)
+
+
+@functools.cache
+def tv():
+    """torchvision's v2 functional ops, imported at the first op: importing torchvision pulls in
+    torch._dynamo, about 3 s of CPU in every Pillow loader process, most of which (recipes
+    without auto-augment, the tests) never apply an op."""
+    from torchvision.transforms.v2 import functional  # noqa: PLC0415
+    return functional
+
+
+def bilinear():
+    from torchvision.transforms import InterpolationMode  # noqa: PLC0415
+    return InterpolationMode.BILINEAR
 
 
 def shear(image: Picture, factor: float, axis: int) -> Picture:
@@ -46,8 +58,8 @@ def shear(image: Picture, factor: float, axis: int) -> Picture:
         slope = math.tan(math.radians(angles[axis]))
         return pil_affine(image, (1.0, slope, 0.0, 0.0, 1.0, 0.0) if axis == 0 else
                           (1.0, 0.0, 0.0, slope, 1.0, 0.0))
-    return F.affine(image, angle=0.0, translate=[0, 0], scale=1.0, shear=angles,
-                    interpolation=BILINEAR, center=[0, 0])
+    return tv().affine(image, angle=0.0, translate=[0, 0], scale=1.0, shear=angles,
+                       interpolation=bilinear(), center=[0, 0])
 
 
 def shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
@@ -65,7 +77,7 @@ def rotate(image: Picture, degrees: float) -> Picture:
     """Counter-clockwise about the image's centre (Pillow's Image.rotate, which torchvision
     calls for a PIL image)."""
     if not isinstance(image, torch.Tensor):
-        return F.rotate(image, degrees, interpolation=BILINEAR)
+        return tv().rotate(image, degrees, interpolation=bilinear())
     _, height, width = image.shape
     angle = -math.radians(degrees)
     cos, sin = round(math.cos(angle), 15), round(math.sin(angle), 15)  # as Pillow rounds them
@@ -131,14 +143,14 @@ def blend(degenerate: torch.Tensor, image: torch.Tensor, offset: float) -> torch
 
 def color(image: Picture, offset: float) -> Picture:
     if not isinstance(image, torch.Tensor):
-        return F.adjust_saturation(image, 1.0 + offset)
+        return tv().adjust_saturation(image, 1.0 + offset)
     return blend(luma(image), image, offset)
 
 
 def contrast(image: Picture, offset: float) -> Picture:
     """Towards the image's mean luma, rounded half up (Pillow's ImageStat in float64)."""
     if not isinstance(image, torch.Tensor):
-        return F.adjust_contrast(image, 1.0 + offset)
+        return tv().adjust_contrast(image, 1.0 + offset)
     return blend(luma(image).double().mean().add(0.5).floor().int(), image, offset)
 
 
@@ -149,7 +161,7 @@ def sharpness(image: Picture, offset: float) -> Picture:
     The sum over 13 is never within 1/26 of a half, so Pillow's float32 rounding and this exact
     one agree."""
     if not isinstance(image, torch.Tensor):
-        return F.adjust_sharpness(image, 1.0 + offset)
+        return tv().adjust_sharpness(image, 1.0 + offset)
     _, height, width = image.shape
     if min(height, width) < 3:
         return image
@@ -165,7 +177,7 @@ def sharpness(image: Picture, offset: float) -> Picture:
 def autocontrast(image: Picture) -> Picture:
     """Each channel stretched from its lowest to its highest value; a flat one left as is."""
     if not isinstance(image, torch.Tensor):
-        return F.autocontrast(image)
+        return tv().autocontrast(image)
     low = image.amin(dim=(1, 2), keepdim=True).double()
     high = image.amax(dim=(1, 2), keepdim=True).double()
     # tensor / tensor: an IEEE division, as Python's (torch computes scalar / tensor as a
@@ -182,15 +194,15 @@ OPS: dict[str, Callable[[Picture, float], Picture]] = {
     "TranslateX": lambda image, m: translate(image, m, 0),
     "TranslateY": lambda image, m: translate(image, m, 1),
     "Rotate": rotate,
-    "Brightness": lambda image, m: F.adjust_brightness(image, 1.0 + m),
+    "Brightness": lambda image, m: tv().adjust_brightness(image, 1.0 + m),
     "Color": color,
     "Contrast": contrast,
     "Sharpness": sharpness,
-    "Posterize": lambda image, m: F.posterize(image, int(m)),
-    "Solarize": lambda image, m: F.solarize(image, m),
+    "Posterize": lambda image, m: tv().posterize(image, int(m)),
+    "Solarize": lambda image, m: tv().solarize(image, m),
     "AutoContrast": lambda image, m: autocontrast(image),
-    "Equalize": lambda image, m: F.equalize(image),
-    "Invert": lambda image, m: F.invert(image),
+    "Equalize": lambda image, m: tv().equalize(image),
+    "Invert": lambda image, m: tv().invert(image),
 }
 
 
