@@ -32,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from app.bench.gpu_check import parse_junit
+from app.bench.gpu_check import gpu_test_files, parse_junit
 from app.bench.gpu_day import REPO, Part, Paths, format_report, part_environment, run_parts
 
 PYTHON = sys.executable
@@ -45,7 +45,6 @@ TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
 BUDGET_S = 510.0  # bin/bench.py gpu-day's default: with pip and a killed part's STOP_S, ~540 s
 TESTS_S = 70.0  # the gpu tests' slice, reserved
 TEST_TIMEOUT_S = 60  # each test's: one that hangs must leave the others most of the slice
-GPU_MARK = re.compile(r"pytest\.mark\.gpu2?\b")
 
 
 def bench(*args: str) -> list[str]:
@@ -185,13 +184,6 @@ def test_lines(f: dict) -> list[str]:
     lines = [f"- {counts or 'none ended'}"]
     return lines + [f"- {t['outcome']}: {t['name']}" for t in f["tests"]
                     if t["outcome"] not in ("passed", "skipped")]
-
-
-def gpu_test_files() -> list[str]:
-    """The test files that hold gpu tests: the others are not collected (some import packages
-    the GPU machine lacks, boto3 and nbclient, and collecting them all costs time)."""
-    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
-                  if GPU_MARK.search(path.read_text()))
 
 
 def gpu_tests(paths: Paths) -> list[str]:
