@@ -11,9 +11,10 @@ from nbclient import NotebookClient
 from conftest import REPO
 
 NOTEBOOK = REPO / "examples" / "notebook.ipynb"
-# Measured on 2 cores: 0.30-0.33 after the 2 epochs at lr 0.1 (chance: 0.10); the notebook's
-# SmallNet: 0.2-0.3 after its one epoch. Chance plus a margin that a broken average, a dead
-# replica or mislabelled data would not reach.
+# The notebook seeds both models' initial weights, so these figures repeat: on 2 cores
+# 0.756 after the 2 epochs at lr 0.1 (chance: 0.10), the SmallNet 0.750 after its one epoch
+# (unseeded, the demo's ranged 0.14-0.33 from run to run: too wide for a bound). Chance plus a
+# margin that a broken average, a dead replica or mislabelled data would not reach.
 DEMO_TOP1, SMALL_TOP1 = 0.18, 0.15
 
 
