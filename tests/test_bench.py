@@ -1,6 +1,6 @@
-"""bin/bench.py sub-commands that run anywhere: model-only throughput, compile costs and
-gpu-check's report (on a machine without a GPU it still writes one, with every gpu test
-skipped)."""
+"""bin/bench.py sub-commands that run anywhere: model-only throughput, compile costs, end to
+end, and what each DALI pipeline reserves (gpu-check's dali_memory part; the command itself is
+tests/test_gpu_check.py's)."""
 
 import dataclasses
 import json
@@ -55,7 +55,7 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
 
 
 def test_model_bench_hands_over_each_row_as_it_finishes():
-    """What bin/bench.py model --json writes after each row (gpu-day's model_steps part, killed
+    """What bin/bench.py model --json writes after each row (gpu-check's model_steps part, killed
     at its deadline, keeps them): the rows so far, a ratio whose other row is still to come
     None; without the peer's setting, no ratio to it."""
     from app.bench import model
@@ -80,28 +80,6 @@ def test_compile_bench_compiles_the_whole_model_or_each_block(tmp_path):
     whole, regions = json.loads(report.read_text())["results"]
     assert whole["graphs"] == 1 and regions["graphs"] == 4  # test_resnet: 4 blocks, all unlike
     assert all(r["first_step_s"] > 0 and len(r["step_times_s"]) == 2 for r in (whole, regions))
-
-
-def test_gpu_check_writes_one_report_of_the_machine_and_its_gpu_tests(tmp_path):
-    out = tmp_path / "report.json"
-    result = bench("gpu-check", "--out", str(out), "--parallel", "1")  # 2 cores: no xdist
-    report = json.loads(out.read_text())
-    tests = {t["name"].rsplit("::", 1)[-1]: t for t in report["tests"]["tests"]}
-    assert "test_no_host_sync_inside_a_training_step[off-bf16]" in tests
-    assert any(name.startswith("test_two_gpus_match_one") for name in tests)
-    assert report["environment"]["versions"]["torch"] == torch.__version__
-    dali = report["dali_memory"]  # the defaults: 8 threads, batch 256
-    assert dali["expected"]["train"]["gpu_bytes"] == 8 * 211_025_920
-    assert dali["expected"]["val"]["pinned_bytes"] == 2 * 8 * 2**23
-    if torch.cuda.is_available():  # on a GPU machine: its own verdict
-        assert (result.returncode == 0) == (report["verdict"] == "ok")
-        return
-    assert result.returncode == 2 and report["verdict"] == "no CUDA GPU"
-    assert {t["outcome"] for t in tests.values()} == {"skipped"}
-    assert report["throughput"] is None and report["environment"]["gpus"] == []
-    assert dali["measured"] is None and dali["why_not"] == "no CUDA GPU"
-    assert "train: expected GPU 1,610 MiB, pinned 2,145 MiB (8 threads)" in result.stdout
-    assert "verdict: no CUDA GPU" in result.stdout
 
 
 def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):
@@ -151,8 +129,8 @@ def test_dali_reservations_subtract_torchs_own_allocations():
 
 
 def test_dali_reservations_are_measured_with_the_cpu_operators_too():
-    """The measurement's code path (open, first batch, close) as gpu-check runs it, on a CPU:
-    host figures only."""
+    """The measurement's code path (open, first batch, close) as gpu-check's dali_memory part
+    runs it, on a CPU: host figures only."""
     pytest.importorskip("nvidia.dali")
     measured = dali_reserve.measure(threads=2, batch_size=8, device=torch.device("cpu"))
     for split in ("train", "val"):

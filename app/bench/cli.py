@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from app.bench.gpu_check import BUDGET_S
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
@@ -25,8 +26,7 @@ EXAMPLES = """examples:
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
-  python3 bin/bench.py gpu-check --out report.json               # a GPU machine, checked
-  python3 bin/bench.py gpu-day --budget 510 --out gpu-day        # every GPU figure, one call
+  python3 bin/bench.py gpu-check --budget 600 --out gpu-check   # a GPU machine, proved
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
 """
 
@@ -153,41 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     guess.add_argument("-b", "--batch-size", type=int, default=32)
     guess.add_argument("--repeats", type=int, default=3, help="passes; the best one counts")
     guess.add_argument("--limit", type=int, default=0, help="at most this many images")
-    check = commands.add_parser("gpu-check", help="this machine's GPUs: the gpu tests, what "
-                                "each DALI pipeline reserves and a throughput probe, one JSON "
-                                "report")
-    check.add_argument("--quick", action="store_true", help="probe without torch.compile")
-    check.add_argument("--no-probe", action="store_true", help="only the tests")
-    check.add_argument("-k", "--select", default="", help="only the gpu tests matching this "
-                       "pytest -k expression")
-    check.add_argument("-n", "--parallel", type=int, default=4, help="test processes sharing "
-                       "the GPU (needs pytest-xdist; 1 = one after the other)")
-    check.add_argument("--tests-timeout", type=float, default=1800.0, help="seconds")
-    check.add_argument("--dali-threads", type=int, default=8, help="decoding threads (-j) of "
-                       "the DALI pipelines whose memory is measured")
-    check.add_argument("--dali-batch", type=int, default=256, help="their batch size")
-    check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
-                       help="the generated sample they read (bench: ImageNet-sized images; "
-                       "the first batch's memory depends on it, the build's does not)")
-    day = commands.add_parser("gpu-day", help="every GPU figure in one call: parts in their "
-                              "order of value (probe, --gpus-style runs, end to end per "
-                              "decoder, sync overlap, optimizer step, gpu tests), each with its "
-                              "own deadline, each report written the moment it ends")
-    day.add_argument("--budget", type=float, default=510.0, help="seconds for all the parts "
-                     "(default 510: with the install and a killed part's grace, a device "
-                     "call of about 540 s)")
-    day.add_argument("--out", default="gpu-day", help="the reports: <part>.json, <part>.log, "
-                     "summary.md (small files only)")
-    day.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "imagenet-dp-gpu-day"),
-                     help="compile caches, the generated sample and run folders (kept out of "
-                     "--out)")
-    day.add_argument("--archive", help="also pack --out into this .tar.gz after each part "
-                     "(a device call brings back at most 8 files: name one under $OUT, and "
-                     "--out outside it)")
-    day.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
-                     "gpu-day --list names them)")
-    day.add_argument("--list", action="store_true", help="name the parts and their deadlines, "
-                     "run nothing")
+    add_gpu_check(commands)
     teardown = commands.add_parser("teardown", help="a failed run: SIGKILL one worker of a "
                                    "driver run, time to the error line and to the exit")
     teardown.add_argument("--repeats", type=int, default=3)
@@ -197,9 +163,40 @@ def build_parser() -> argparse.ArgumentParser:
                           "flags after --, default: " + " ".join(TEARDOWN_RUN))
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown):
         sub.add_argument("--json", help="also write the report to this file")
-    check.add_argument("--out", "--json", dest="json", default="gpu-check.json",
-                       help="the report (default: gpu-check.json)")
     return parser
+
+
+def add_gpu_check(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser(
+        "gpu-check", help="prove a GPU machine end to end within a time budget (a new GPU box, "
+        "a cloud image, a driver upgrade): what it is, --gpus-style runs, end to end per "
+        "decoder, sync overlap, DALI's memory, the gpu tests, then the extras; parts in their "
+        "order of value, each with its own deadline, each report written the moment it ends")
+    check.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the "
+                       f"parts (default {BUDGET_S:.0f}: a quick check of a new machine; a "
+                       "larger budget gives the gpu tests more time, then the extras)")
+    check.add_argument("--out", default="gpu-check", help="the report folder: <part>.json, "
+                       "<part>.log, summary.md (small files only)")
+    check.add_argument("--work", default=str(Path(tempfile.gettempdir()) /
+                                             "imagenet-dp-gpu-check"),
+                       help="compile caches, the generated sample and run folders (kept out of "
+                       "--out)")
+    check.add_argument("--archive", help="also pack the report folder into this .tar.gz after "
+                       "each part")
+    check.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
+                       "gpu-check --list names them)")
+    check.add_argument("--list", action="store_true", help="name the parts and their "
+                       "deadlines in this budget, run nothing")
+    check.add_argument("-n", "--test-processes", type=int, default=4, help="gpu test "
+                       "processes sharing the GPU (needs pytest-xdist; 1 = one after the other)")
+    check.add_argument("-k", "--select", default="", help="only the gpu tests matching this "
+                       "pytest -k expression")
+    check.add_argument("--dali-threads", type=int, default=8, help="decoding threads (-j) of "
+                       "the DALI pipelines whose memory is measured")
+    check.add_argument("--dali-batch", type=int, default=256, help="their batch size")
+    check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
+                       help="the generated sample they read (bench: ImageNet-sized images; "
+                       "the first batch's memory depends on it, the build's does not)")
 
 
 def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
@@ -235,7 +232,7 @@ def optimizer_steps(text: str) -> list[str]:
 
 def saver(path: str | None) -> Callable[[dict], None]:
     """Writes a report so far to --json, whole, after each of its rows: a run cut short (a
-    gpu-day part at its deadline) keeps the rows that finished."""
+    gpu-check part at its deadline) keeps the rows that finished."""
     if not path:
         return lambda report: None
     return lambda report: write_atomically(path, json.dumps(report, indent=2))
@@ -301,23 +298,19 @@ def main(argv: list[str]) -> int:
     elif args.command == "teardown":
         from app.bench import teardown as bench  # noqa: PLC0415
         report = bench.run(args.flags, args.victim, args.repeats)
-    elif args.command == "gpu-day":
-        from app.bench import gpu_day_parts as bench  # noqa: PLC0415
-        if args.list:
-            print("\n".join(f"{p.name:<16}{p.deadline_s:>5.0f} s  {p.what}"
-                             + (" (reserved)" if p.reserved_s else "") for p in bench.PARTS))
-            return 0
-        try:
-            report, code = bench.run(args.budget, Path(args.out), Path(args.work), args.parts,
-                                     Path(args.archive) if args.archive else None)
-        except ValueError as error:
-            build_parser().error(f"--parts: {error}")
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
-        report, code = bench.run(Path(args.json), args.quick, not args.no_probe,
-                                 args.tests_timeout, args.parallel, args.select,
-                                 bench.DaliSetup(args.dali_threads, args.dali_batch,
-                                                 args.dali_sample))
+        options = bench.Options(args.test_processes, args.select, args.dali_threads,
+                                args.dali_batch, args.dali_sample)
+        try:
+            parts = bench.chosen(args.parts, args.budget, options)
+        except ValueError as error:
+            build_parser().error(f"--parts: {error}")
+        if args.list:
+            print(bench.format_plan(parts))
+            return 0
+        report, code = bench.run(parts, args.budget, Path(args.out), Path(args.work),
+                                 Path(args.archive) if args.archive else None)
     print(bench.format_report(report))
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(report, indent=2))

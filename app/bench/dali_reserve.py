@@ -1,5 +1,8 @@
-"""What each DALI pipeline reserves when it is built, for gpu-check's report: the formula's
-expectation (app/data/dali_memory.py) beside what the machine shows.
+"""What each DALI pipeline reserves when it is built (gpu-check's dali_memory part): the
+formula's expectation (app/data/dali_memory.py) beside what the machine shows, as JSON. In a
+process of its own, like every part, so that no other part's allocations count.
+
+    python -m app.bench.dali_reserve --json dali_memory.json --threads 8 --batch-size 256
 
 Built like a training worker builds them: train, then val, both kept, on a generated sample.
 - GPU: the drop in torch.cuda.mem_get_info's free memory (the whole device, so DALI's own pool
@@ -16,6 +19,10 @@ On a CPU the same code runs with CPU operators (no paddings, no GPU figures): th
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -116,14 +123,14 @@ def sample_specs(threads: int, batch_size: int, device: torch.device, preset: st
 
 
 def release_dali_pools() -> None:
-    """DALI's pools keep what they took; give it back before the throughput probe runs."""
+    """DALI's pools keep what they took; give it back once measured."""
     from nvidia.dali import backend  # noqa: PLC0415
     backend.ReleaseUnusedMemory()
 
 
 def run(threads: int, batch_size: int, on_gpu: bool, preset: str = "tiny") -> dict:
-    """gpu-check's section: the expectation always, the measurement where there is a GPU and
-    DALI imports (its error, if building fails, rather than the whole report's)."""
+    """The expectation always, the measurement where there is a GPU and DALI imports (its
+    error, if building fails, in the report rather than a traceback)."""
     report = {"threads": threads, "batch_size": batch_size, "sample": preset,
               "formula": "GPU: threads x device padding; pinned host: 2 x threads x host padding",
               "expected": expected(threads, batch_size), "measured": None, "why_not": None}
@@ -134,29 +141,24 @@ def run(threads: int, batch_size: int, on_gpu: bool, preset: str = "tiny") -> di
     else:
         try:
             report["measured"] = measure(threads, batch_size, torch.device("cuda:0"), preset)
-        except Exception as error:  # noqa: BLE001 (reported; the tests' verdict stands)
+        except Exception as error:  # noqa: BLE001 (reported beside the expectation)
             report["why_not"] = f"building failed: {first_line(error)}"
     return report
 
 
-def format_lines(report: dict) -> list[str]:
-    lines = [f"DALI reservations per pipeline at {report['threads']} threads, batch "
-             f"{report['batch_size']} ({report['formula']}):"]
-    for split in SPLITS:
-        want = report["expected"][split]
-        line = (f"  {split}: expected GPU {mib(want['gpu_bytes'])}, pinned "
-                f"{mib(want['pinned_bytes'])} ({want['threads']} threads)")
-        got = (report["measured"] or {}).get(split)
-        if got:
-            line += (f"; measured at build: GPU {mib(got['build'].get('gpu_bytes'))}, host RSS "
-                     f"{mib(got['build'].get('host_rss_bytes'))}; first batch: GPU "
-                     f"{mib(got['first_batch'].get('gpu_bytes'))}; preallocated for "
-                     f"{got.get('preallocation_hint')}")
-        lines.append(line)
-    if report["why_not"]:
-        lines.append(f"  not measured: {report['why_not']}")
-    return lines
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="where the report goes")
+    parser.add_argument("--threads", type=int, default=8, help="decoding threads (-j)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--sample", default="tiny", choices=("tiny", "bench"),
+                        help="the generated sample the pipelines read (bench: ImageNet-sized "
+                        "images; the first batch's memory depends on it, the build's does not)")
+    args = parser.parse_args()
+    report = run(args.threads, args.batch_size, torch.cuda.is_available(), args.sample)
+    Path(args.json).write_text(json.dumps(report, indent=2))
 
 
-def mib(count: int | None) -> str:
-    return "n/a" if count is None else f"{count / 2**20:,.0f} MiB"
+if __name__ == "__main__":
+    main()

@@ -1,184 +1,219 @@
-"""One command that checks a GPU machine: what it is, whether the `gpu` tests pass on it, what
-each DALI pipeline reserves (app/bench/dali_reserve.py) and how fast the model trains there, in
-one JSON report.
+"""`bin/bench.py gpu-check`: a GPU machine proved end to end within the time budget its user
+chooses (a new GPU box, a new cloud image, a driver upgrade). Its parts, in their order of
+value, run by app/bench/part_runner.py: a new measurement is one more entry in `parts()`.
 
-It needs only an interpreter with the training dependencies (torch, torchvision, timm, pandas,
-fsspec, Pillow, numpy, tomli_w) and pytest: no `make setup`, no network, whatever versions the
-machine has. Tests that need packages it lacks (wandb, moto, obstore, DALI) skip themselves.
+How the default 600 s are shared out (docs/benchmarks.md has the estimate per part). First the
+probe (seconds, and it says what the machine is even if nothing else runs); then the common
+first step, one short driver run that generates the bench sample and compiles ResNet-50 by
+regions at 224 px, batch 256 (train and eval graphs) into the compile cache every later part
+shares, so that each of them loads its graphs rather than compiling them (a fresh compile is
+about a minute); the `--gpus`-style runs; end to end per decoder; the sync modes by regions;
+what each DALI pipeline reserves; then the gpu tests, whose slice the runner reserves. Their
+deadlines, the time to kill the last part before the tests and the tests' slice add up to the
+default budget, so each gets its whole deadline even if every part before it runs to its own;
+a larger budget goes to the gpu tests (all of them need more than the slice). The extras
+(ResNet-50 model only beside the peer's numerics, the optimizer-step grid, the sync modes
+compiled whole, threads vs processes) come after the tests and run on what the parts before
+them left unused.
+
+It needs only an interpreter with the training dependencies and pytest (app/bench/probe.py
+names them): no `make setup`, no network, whatever versions the machine has. Tests and parts
+that need packages it lacks (wandb, moto, obstore, DALI) skip themselves or say so.
+
+What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes (4,800
+images) with a checksum comparison after every step; the end-to-end runs measure the peer and
+the model alone once for all decoders; the sync modes run without the 1-worker mode (two
+workers share the one GPU, so one worker's step is no baseline for theirs); the whole-model
+compiles (a fresh one, about a minute each) and the threads rows are extras; the
+optimizer-step grid runs eagerly and without the peer's row (the step does not depend on the
+compile; the peer's fp32 cuDNN autotuning alone took 21 s); the gpu tests run fastest first,
+each with its own timeout. Parts that write JSON figures write them after each row, so a part
+killed at its deadline keeps the rows that finished.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import platform
-import re
-import subprocess
 import sys
-import time
-import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.runtime.errors import UserError
+from app.bench import gpu_tests
+from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts, sized
+from app.bench.part_runner import format_report as format_parts
+from app.bench.part_summaries import (dali_lines, e2e_lines, model_lines, probe_lines,
+                                      run_figures, run_lines, sync_lines, threads_lines)
+from app.bench.probe import check_requirements
 
-REPO = Path(__file__).resolve().parents[2]
-GPU_MARK = re.compile(r"pytest\.mark\.gpu2?\b")
-REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",
-            "pytest")
-OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "wandb")
-WHEELS_HINT = ("bring missing pure-Python packages as wheels (see ../shared/DEVICE.md and "
-               "the device tool's README)")
-
-
-def check_requirements() -> None:
-    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UserError(f"gpu-check needs {', '.join(missing)} in this interpreter "
-                        f"({sys.executable}); {WHEELS_HINT}")
-
-
-def version_of(module: str) -> str | None:
-    try:
-        return getattr(importlib.import_module(module), "__version__", "unknown")
-    except Exception:  # noqa: BLE001 (an optional package that fails to import is absent)
-        return None
-
-
-def environment() -> dict:
-    import torch  # noqa: PLC0415
-    gpus = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            gpus.append({"index": index, "name": props.name,
-                         "memory_gb": round(props.total_memory / 2**30, 1),
-                         "capability": f"{props.major}.{props.minor}"})
-    return {
-        "python": platform.python_version(), "executable": sys.executable,
-        "platform": platform.platform(), "cpu_count": _cpu_count(),
-        "versions": {name: version_of(name) for name in (*REQUIRED, *OPTIONAL)},
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
-        if torch.backends.cudnn.is_available() else None,
-        "gpus": gpus,
-    }
-
-
-def _cpu_count() -> int:
-    import os  # noqa: PLC0415
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def run_tests(folder: Path, timeout_s: float, parallel: int, select: str) -> dict:
-    """pytest -m gpu over tests/ in a child process; every test's outcome from its JUnit XML.
-    With pytest-xdist, `parallel` test processes share the GPU (most tests are driver runs that
-    leave it idle while they start), which keeps the whole check inside a 10-minute window."""
-    xml, log = folder / "gpu-tests.xml", folder / "gpu-tests.log"
-    # -v and a log file: should the whole run time out, the log still says which tests ended
-    # and how; each test's own limit (pytest-timeout) is kept under the whole run's.
-    # a test module that needs a package the machine lacks (hypothesis, moto) must not stop
-    # the collection of the others
-    command = [sys.executable, "-m", "pytest", "-m", "gpu or gpu2", "-p", "no:cacheprovider",
-               "-v", "--continue-on-collection-errors", f"--junitxml={xml}", *gpu_test_files()]
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        command += [f"--timeout={max(30, int(timeout_s / 2))}"]
-    if parallel > 1 and importlib.util.find_spec("xdist") is not None:
-        command += ["-n", str(parallel)]
-    if select:
-        command += ["-k", select]
-    started = time.perf_counter()
-    with log.open("w") as output:
-        try:
-            code = subprocess.run(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s).returncode
-            verdict = ""
-        except subprocess.TimeoutExpired:
-            code, verdict = None, f"\npytest did not finish within {timeout_s:.0f} s"
-    tail = log.read_text(errors="replace")[-4000:] + verdict
-    tests = parse_junit(xml) if xml.exists() else []
-    return {"command": " ".join(command), "exit_code": code, "seconds":
-            round(time.perf_counter() - started, 1), "tests": tests,
-            "counts": {outcome: sum(t["outcome"] == outcome for t in tests)
-                       for outcome in ("passed", "failed", "error", "skipped")},
-            "output_tail": tail}
-
-
-def gpu_test_files() -> list[str]:
-    """The test files that hold gpu tests: the others are not collected (some import packages
-    the GPU machine lacks, boto3 and nbclient, and collecting them all, in each test process,
-    costs more than the gpu tests that a machine without a GPU skips)."""
-    return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
-                  if GPU_MARK.search(path.read_text()))
-
-
-def parse_junit(path: Path) -> list[dict]:
-    tests = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            found = case.find(kind)
-            if found is not None:
-                outcome = "failed" if kind == "failure" else kind
-                message = (found.get("message") or found.text or "").strip().splitlines()
-                message = message[0][:300] if message else ""
-                break
-        tests.append({"name": f"{case.get('classname')}::{case.get('name')}",
-                      "outcome": outcome, "seconds": float(case.get("time") or 0),
-                      "message": message})
-    return tests
-
-
-def probe(quick: bool) -> dict:
-    """ResNet-50 model-only img/s at 224 px, batch 256: ours (compiled unless `quick`) beside
-    the peer's numerics, in the same run."""
-    from app.bench import model  # noqa: PLC0415 (imports torch and timm)
-    settings = [model.OURS_EAGER, model.PEER] if quick else [model.OURS, model.OURS_EAGER,
-                                                               model.PEER]
-    return model.run("resnet50", 256, 224, "cuda", steps=20 if quick else 50, warmup=5,
-                     settings=settings)
+PYTHON = sys.executable
+DATA = ("--dataset", "sample_bench")
+RESNET = ("-a", "resnet50", "-b", "256")
+# one short epoch: 40 classes of the bench sample (4,800 train, 400 val images), nvJPEG
+TRAIN = (*DATA, *RESNET, "--image-size", "224", "--classes", "40", "--epochs", "1", "-p", "1",
+         "--decoder", "nvjpeg")
+TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
+BUDGET_S = 600.0  # the default: ten minutes, a quick check of a new machine
+TESTS_S = 115.0  # the gpu tests' slice, reserved
 
 
 @dataclass(frozen=True)
-class DaliSetup:
-    """The pipelines whose reservations are measured: per-worker decoding threads (-j) and
-    batch size, on a generated sample."""
-    threads: int = 8
-    batch_size: int = 256
-    sample: str = "tiny"
+class Options:
+    """What a user sets of the parts: the gpu tests' processes (-n, with pytest-xdist) and
+    selection (-k), and the DALI pipelines whose reservations are measured."""
+    test_processes: int = 4
+    select: str = ""
+    dali_threads: int = 8
+    dali_batch: int = 256
+    dali_sample: str = "tiny"
 
 
-def run(out: Path, quick: bool, probe_too: bool, tests_timeout_s: float, parallel: int,
-        select: str, dali: DaliSetup = DaliSetup()) -> tuple[dict, int]:
-    """The report, and the exit code: 0 when a GPU is there and every gpu test passed."""
-    check_requirements()
-    from app.bench import dali_reserve  # noqa: PLC0415 (imports torch)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report["tests"] = run_tests(out.parent, tests_timeout_s, parallel, select)
-    has_gpu = bool(report["environment"]["gpus"])
-    # before the probe, which grows torch's allocator in this process
-    report["dali_memory"] = dali_reserve.run(dali.threads, dali.batch_size, has_gpu,
-                                             dali.sample)
-    report["throughput"] = probe(quick) if has_gpu and probe_too else None
-    counts = report["tests"]["counts"]
-    ok = has_gpu and report["tests"]["exit_code"] == 0 and counts["passed"] > 0 and \
-        not counts["failed"] and not counts["error"]
-    report["verdict"] = "ok" if ok else ("no CUDA GPU" if not has_gpu else "failed")
-    return report, 0 if ok else (2 if not has_gpu else 1)
+def bench(*args: str) -> list[str]:
+    return [PYTHON, str(REPO / "bin" / "bench.py"), *args]
+
+
+def driver(paths: Paths, name: str, *args: str) -> list[str]:
+    return [PYTHON, str(REPO / "bin" / "driver.py"), *args, "--output-dir", str(paths.runs),
+            "--run-name", name]
+
+
+def module(name: str, *args: str) -> list[str]:
+    return [PYTHON, "-m", name, *args]
+
+
+def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
+    # ps and allreduce only: two workers share the one GPU, so one worker's step is no
+    # baseline for theirs
+    return bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
+                 "--compile", compile, "--modes", "ps,allreduce", "--steps", "10", "--warmup",
+                 "3", "--json", str(paths.report(name)))
+
+
+def threads_bench(paths: Paths, name: str, devices: str) -> list[str]:
+    # both modes eager (threads cannot compile), one epoch of the bench sample per mode
+    return bench("threads", "-a", "resnet50", "-b", "128", "--image-size", "224", "--devices",
+                 devices, *DATA, "-j", "6", "--json", str(paths.report(name)))
+
+
+def tests_part(options: Options) -> Part:
+    def command(paths: Paths) -> list[str]:
+        return gpu_tests.command(paths.out / "gpu_tests.xml", options.test_processes,
+                                 options.select)
+
+    def collect(paths: Paths, name: str) -> dict:
+        return gpu_tests.figures(paths.out / f"{name}.xml", paths.out / f"{name}.log")
+
+    return Part("gpu_tests", f"the gpu tests, fastest first, {gpu_tests.TEST_TIMEOUT_S} s each",
+                TESTS_S, command, collect=collect, summary=gpu_tests.summary,
+                env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}, reserved_s=TESTS_S, grows=True)
+
+
+def dali_part(options: Options) -> Part:
+    return Part("dali_memory", "what each DALI pipeline (train, then val) reserves at build and "
+                "at its first batch, beside the formula", 45,
+                lambda p: module("app.bench.dali_reserve", "--json", str(p.report("dali_memory")),
+                                 "--threads", str(options.dali_threads), "--batch-size",
+                                 str(options.dali_batch), "--sample", options.dali_sample),
+                summary=dali_lines)
+
+
+# Deadlines in s. The parts before gpu_tests, the time to kill the last of them (STOP_S) and
+# the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
+# before it runs to its own (tests/test_gpu_check.py checks).
+def parts(options: Options = Options()) -> list[Part]:
+    """Every part, in its order of value."""
+    return [
+        Part("probe", "versions, GPU, memory", 30,
+             lambda p: module("app.bench.probe", "--json", str(p.report("probe"))),
+             summary=probe_lines),
+        Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
+             "px, batch 256, one GPU, one short epoch", 135,
+             lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
+             collect=run_figures, summary=run_lines),
+        Part("gpus_ps", "--devices cuda:0,cuda:0 --sync ps: worker processes and the parameter "
+             "server over CUDA memory, one short epoch", 55,
+             lambda p: driver(p, "gpus_ps", *TRAIN, *TWO_WORKERS, "--sync", "ps"),
+             collect=run_figures, summary=run_lines),
+        Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
+             lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
+             collect=run_figures, summary=run_lines),
+        Part("e2e", "ResNet-50 end to end per decoder (nvjpeg, pillow, dali if it imports) "
+             "beside the pytorch/examples recipe and the model alone", 100,
+             lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders",
+                             "nvjpeg,pillow,dali", "--steps", "25", "--warmup", "5", "--json",
+                             str(p.report("e2e"))),
+             summary=e2e_lines),
+        Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 45,
+             lambda p: sync_bench(p, "sync_regions", "regions"), summary=sync_lines),
+        dali_part(options),
+        tests_part(options),
+        # the extras: on whatever the parts above left unused
+        Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
+             "beside the pytorch/examples numerics", 120,
+             lambda p: bench("model", *RESNET, "--steps", "20", "--warmup", "5", "--json",
+                             str(p.report("model"))),
+             summary=model_lines),
+        Part("model_steps", "the optimizer step foreach vs fused at 160/192/224 px, batch 256 "
+             "and 512 (eager, without the peer)", 75,
+             lambda p: bench("model", *RESNET, "--no-compile", "--no-peer", "--sizes",
+                             "160,192,224", "--batch-sizes", "256,512", "--optimizer-steps",
+                             "foreach,fused", "--steps", "15", "--warmup", "3", "--json",
+                             str(p.report("model_steps"))),
+             summary=model_lines),
+        Part("sync_whole", "sync overlap compiled whole: ps, allreduce", 120,
+             lambda p: sync_bench(p, "sync_whole", "whole"), summary=sync_lines),
+        Part("threads", "replicas as threads vs as processes (the Python API), two on one GPU, "
+             "both eager, one epoch of the bench sample each", 90,
+             lambda p: threads_bench(p, "threads", "cuda:0,cuda:0"), summary=threads_lines),
+        Part("threads_per_gpu", "the same with a replica per GPU of the machine (skipped with "
+             "one)", 90, lambda p: threads_bench(p, "threads_per_gpu", "all"),
+             summary=threads_lines),
+    ]
+
+
+def chosen(names: str, budget_s: float, options: Options = Options()) -> list[Part]:
+    """The parts named (comma-separated; all for an empty string) in their order of value, sized
+    to the budget."""
+    every = parts(options)
+    wanted = {name for name in names.split(",") if name}
+    unknown = wanted - {part.name for part in every}
+    if unknown:
+        raise ValueError(f"unknown parts {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(part.name for part in every)}")
+    return sized([part for part in every if not wanted or part.name in wanted], budget_s)
+
+
+def format_plan(parts: list[Part]) -> str:
+    return "\n".join(f"{p.name:<16}{p.deadline_s:>6.0f} s  {p.what}"
+                     + (f" ({p.reserved_s:.0f} s reserved)" if p.reserved_s else "")
+                     for p in parts)
+
+
+def verdict(outcomes: list[dict]) -> tuple[str, int]:
+    """(verdict, exit code): "no CUDA GPU" (2) when the probe found none; "ok" (0) when every
+    part ended well and, where the gpu tests ran, at least one passed (all skipped proves
+    nothing); else "failed" (1)."""
+    figures = {o["name"]: o["figures"] for o in outcomes}
+    if (figures.get("probe") or {}).get("gpus") == []:
+        return "no CUDA GPU", 2
+    tests_passed = "gpu_tests" not in figures or \
+        bool((figures["gpu_tests"] or {}).get("counts", {}).get("passed"))
+    if tests_passed and all(o["status"] == "ok" for o in outcomes):
+        return "ok", 0
+    return "failed", 1
 
 
 def format_report(report: dict) -> str:
-    env, tests = report["environment"], report["tests"]
-    gpus = ", ".join(f"{g['name']} ({g['memory_gb']} GB)" for g in env["gpus"]) or "none"
-    lines = [f"GPUs: {gpus}; torch {env['versions']['torch']}, CUDA {env['cuda']}, "
-             f"Python {env['python']}",
-             f"gpu tests: {tests['counts']} in {tests['seconds']} s"]
-    lines += [f"  {t['outcome']:<8}{t['name']}  {t['message']}" for t in tests["tests"]
-              if t["outcome"] != "passed"]
-    from app.bench.dali_reserve import format_lines  # noqa: PLC0415
-    lines += format_lines(report["dali_memory"])
-    if report["throughput"]:
-        from app.bench.model import format_report as model_report  # noqa: PLC0415
-        lines.append(model_report(report["throughput"]))
-    lines.append(f"verdict: {report['verdict']}")
-    return "\n".join(lines)
+    return f"{format_parts(report)}\nverdict: {report['verdict']}"
+
+
+def run(parts: list[Part], budget_s: float, out: Path, work: Path,
+        archive: Path | None = None) -> tuple[dict, int]:
+    """bin/bench.py gpu-check: the report (every part's outcome, the verdict) and the exit
+    code."""
+    check_requirements()
+    paths = Paths(out, work, archive)
+    outcomes = run_parts(parts, budget_s, paths, part_environment(paths))
+    said, code = verdict(outcomes)
+    return {"parts": outcomes, "summary": str(out / "summary.md"), "verdict": said}, code
+
+
+__all__ = ["Options", "chosen", "format_plan", "format_report", "parts", "run"]

@@ -1,4 +1,4 @@
-"""gpu-day's first part: what the machine is (versions, GPUs, their memory now), as JSON. In a
+"""gpu-check's first part: what the machine is (versions, GPUs, their memory now), as JSON. In a
 process of its own, like every part, so the runner never holds a CUDA context.
 
     python -m app.bench.probe --json probe.json
@@ -7,22 +7,68 @@ process of its own, like every part, so the runner never holds a CUDA context.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import os
+import platform
+import sys
 import time
 from pathlib import Path
 
-from app.bench.gpu_check import environment
-from app.data.decoders import dali_imports
+from app.runtime.errors import UserError
+
+# what gpu-check needs in the interpreter that runs it: the training dependencies and pytest,
+# whatever their versions (no `make setup`, no network); tests that need the optional packages
+# skip themselves where they are missing
+REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",
+            "pytest")
+OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "wandb")
+
+
+def check_requirements() -> None:
+    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"gpu-check needs {', '.join(missing)} in this interpreter "
+                        f"({sys.executable}); install them with pip (on a machine without "
+                        "network access, from wheels copied onto it)")
+
+
+def version_of(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:  # noqa: BLE001 (an optional package that fails to import is absent)
+        return None
+
+
+def environment() -> dict:
+    import torch  # noqa: PLC0415
+    gpus = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            gpus.append({"index": index, "name": props.name,
+                         "capability": f"{props.major}.{props.minor}",
+                         "total_gb": round(total / 2**30, 1), "free_gb": round(free / 2**30, 1)})
+    return {
+        "python": platform.python_version(), "executable": sys.executable,
+        "platform": platform.platform(), "cpu_count": cpu_count(),
+        "versions": {name: version_of(name) for name in (*REQUIRED, *OPTIONAL)},
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
+        if torch.backends.cudnn.is_available() else None,
+        "gpus": gpus,
+    }
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def probe() -> dict:
-    import torch  # noqa: PLC0415
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **environment(),
-              "dali_imports": dali_imports()}
-    for gpu in report["gpus"]:
-        free, total = torch.cuda.mem_get_info(gpu["index"])
-        gpu["free_gb"], gpu["total_gb"] = round(free / 2**30, 1), round(total / 2**30, 1)
-    return report
+    from app.data.decoders import dali_imports  # noqa: PLC0415 (imports torch)
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **environment(),
+            "dali_imports": dali_imports()}
 
 
 def main() -> None:

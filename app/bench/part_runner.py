@@ -1,19 +1,17 @@
-"""`bin/bench.py gpu-day`: every GPU figure in one call, for the rare, brief loan of a GPU
-machine. A runner of parts (app/bench/gpu_day_parts.py: adding one is one entry in a list),
-run in their order of value, each in a process group of its own with its own deadline, cut
-shorter when the call's budget runs low; a part may reserve time (the gpu tests do), which the
-parts before it cannot use, however long they run. Each part starts with its run folder and
-report cleared (a rerun on a warm machine must not read the last call's metrics). As each part
-ends (finished, failed or killed at its deadline) its report is written: `<part>.json`
-(outcome, seconds, command, the figures it produced, its log's tail) beside `<part>.log`, and
-`summary.md` is rewritten with every part so far. A call cut short therefore returns whatever
-finished; no part can hold up the ones after it.
+"""The runner of timed parts behind `bin/bench.py gpu-check` (app/bench/gpu_check.py lists
+the parts: adding one is one entry in a list). Parts run in their order, each in a process group
+of its own with its own deadline, cut shorter when the budget runs low; a part may reserve time
+(the gpu tests do), which the parts before it cannot use, however long they run. Each part
+starts with its run folder and report cleared (a rerun must not read the last run's metrics).
+As each part ends (finished, failed or killed at its deadline) its report is written:
+`<part>.json` (outcome, seconds, command, the figures it produced, its log's tail) beside
+`<part>.log`, and `summary.md` is rewritten with every part so far. A run cut short (the budget
+spent, Ctrl-C, the machine lost) therefore leaves whatever finished; no part can hold up the
+ones after it.
 
-Only small files go to the output folder (a device call brings it back, packed into one
-archive: it returns at most 8 files); caches, the generated sample and run folders go to the
-work folder.
+Only small files go to the report folder (easy to read, copy or pack into one .tar.gz);
+caches, the generated sample and run folders go to the work folder.
 """
-
 from __future__ import annotations
 
 import io
@@ -24,7 +22,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +39,7 @@ LOG_TAIL = 3000  # characters of a part's log kept in its report
 class Paths:
     out: Path  # reports: small files only
     work: Path  # caches, samples, run folders
-    # `out` packed into one file after each part: a device call brings back only a few files
+    # `out` packed into one .tar.gz after each part: one file to copy off the machine
     archive: Path | None = None
 
     def report(self, part: str) -> Path:
@@ -79,6 +77,16 @@ class Part:
     summary: Callable[[dict], list[str]] = lambda figures: []  # markdown lines of figures
     env: dict[str, str] = field(default_factory=dict)  # on top of the runner's environment
     reserved_s: float = 0.0  # kept for this part while the parts before it run
+    grows: bool = False  # its deadline takes what of the budget the others' deadlines leave
+
+
+def sized(parts: list[Part], budget_s: float) -> list[Part]:
+    """The parts with a growing one's deadline raised to what of `budget_s` the others'
+    deadlines and the time to kill it (STOP_S) leave: a larger budget goes to it, the others
+    keep theirs."""
+    others = sum(part.deadline_s for part in parts if not part.grows)
+    return [replace(part, deadline_s=max(part.deadline_s, budget_s - others - STOP_S))
+            if part.grows else part for part in parts]
 
 
 def time_for(parts: list[Part], index: int, left_s: float) -> float:
@@ -151,7 +159,7 @@ def not_run(part: Part, left_s: float, given_s: float) -> dict:
 
 
 def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str],
-              title: str = "gpu-day") -> list[dict]:
+              title: str = "gpu-check") -> list[dict]:
     """Each part in order within what is left of `budget_s`; every report written as its part
     ends."""
     paths.out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +180,7 @@ def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, s
 
 
 def pack(folder: Path, archive: Path) -> None:
-    """`folder` as a .tar.gz, replaced whole (a call cut short still brings back the last)."""
+    """`folder` as a .tar.gz, replaced whole (a run cut short leaves the parts that ended)."""
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w:gz") as tar:
         tar.add(folder, arcname=folder.name)

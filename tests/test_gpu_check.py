@@ -1,6 +1,7 @@
-"""gpu-day's runner on CPU: parts one after the other, each killed at its deadline with what
-it started, each report on disk the moment its part ends, the budget shared out; and the real
-parts' commands accepted by the scripts they call (they can only run on a GPU)."""
+"""gpu-check on CPU: its runner's parts one after the other, each killed at its deadline with
+what it started, each report on disk the moment its part ends, the budget shared out; the real
+parts' commands accepted by the scripts they call (most can only run on a GPU); and the command
+itself on a machine without a GPU: it says so, with the parts that run anywhere."""
 
 import json
 import os
@@ -9,9 +10,11 @@ import sys
 import tarfile
 from pathlib import Path
 
-from app.bench import gpu_day_parts
+import torch
+
+from app.bench import gpu_check, gpu_tests
 from app.bench.cli import build_parser
-from app.bench.gpu_day import MIN_PART_S, STOP_S, Part, Paths, run_parts, time_for
+from app.bench.part_runner import MIN_PART_S, STOP_S, Part, Paths, run_parts, sized, time_for
 from app.config.sources import parse_config
 from conftest import REPO
 from test_bench import bench
@@ -49,7 +52,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_path):
-    paths = Paths(tmp_path / "out", tmp_path / "work", tmp_path / "back" / "gpu-day.tar.gz")
+    paths = Paths(tmp_path / "out", tmp_path / "work", tmp_path / "back" / "gpu-check.tar.gz")
     child_pid = tmp_path / "child.pid"
     paths.archive.parent.mkdir()
     parts = [writes_report("first", {"value": 1}),
@@ -73,8 +76,8 @@ def test_a_part_past_its_deadline_is_killed_and_the_later_parts_still_run(tmp_pa
 
 def test_the_budget_is_shared_out_and_a_part_without_any_is_not_started(tmp_path):
     """A part gets what is left of the budget less what later parts reserve; one with too
-    little is not started. The run folder and report of a part that ran before (a rerun on a
-    warm machine) are gone before it starts."""
+    little is not started. The run folder and report of a part that ran before (a rerun) are
+    gone before it starts."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
     stale = paths.runs / "reserved" / "metrics.jsonl"
     stale.parent.mkdir(parents=True)
@@ -101,14 +104,14 @@ def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
     deadline when every one before it runs to its own; the tests get their reserved slice
     even when each part before them also takes STOP_S to be killed (those at the end of the
     line get less); the extras come after the tests."""
-    parts = gpu_day_parts.PARTS
+    parts = gpu_check.chosen("", gpu_check.BUDGET_S)
     tests = [p.name for p in parts].index("gpu_tests")
-    assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s >= parts[tests].reserved_s
-    assert [p.name for p in parts[tests + 1:]] == ["model_steps", "sync_whole", "threads",
-                                                  "threads_per_gpu"]
-    assert build_parser().parse_args(["gpu-day"]).budget == gpu_day_parts.BUDGET_S
+    assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s == parts[tests].reserved_s
+    assert [p.name for p in parts[tests + 1:]] == ["model", "model_steps", "sync_whole",
+                                                  "threads", "threads_per_gpu"]
+    assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S
     for late_by in (0.0, STOP_S):
-        left = gpu_day_parts.BUDGET_S
+        left = gpu_check.BUDGET_S
         for index, part in enumerate(parts[:tests + 1]):
             given = time_for(parts, index, left)
             if late_by == 0.0 or index == tests:
@@ -117,11 +120,22 @@ def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
                 left -= given + late_by
 
 
+def test_a_larger_budget_goes_to_the_gpu_tests_the_others_keep_their_deadlines():
+    default = {p.name: p.deadline_s for p in gpu_check.chosen("", gpu_check.BUDGET_S)}
+    hour = {p.name: p.deadline_s for p in gpu_check.chosen("", 3600)}
+    others = sum(s for name, s in default.items() if name != "gpu_tests")
+    assert hour == {**default, "gpu_tests": 3600 - others - STOP_S}
+    assert [(p.name, p.deadline_s) for p in gpu_check.chosen("probe,gpu_tests", 600)] == [
+        ("probe", 30), ("gpu_tests", 600 - 30 - STOP_S)]
+    steady = Part("steady", "", 50, lambda paths: [])
+    assert sized([steady], 1000) == [steady]  # only a growing part grows
+
 def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
     """The parts can run only on a GPU: their command lines are checked here."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
-    assert [p.name for p in gpu_day_parts.PARTS][:2] == ["probe", "prepare"]
-    for part in gpu_day_parts.PARTS:
+    every = gpu_check.parts()
+    assert [p.name for p in every][:2] == ["probe", "prepare"]
+    for part in every:
         command = part.command(paths)
         assert command[0] == sys.executable, part.name
         script = Path(command[1]).name if command[1].endswith(".py") else command[2]
@@ -131,23 +145,26 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
             config, _ = parse_config(command[2:])
             assert config.run.output_dir.startswith(str(paths.work))  # not into --out
         else:
-            assert script in ("app.bench.probe", "pytest"), part.name
+            assert script in ("app.bench.probe", "app.bench.dali_reserve", "pytest"), part.name
 
 
 def test_the_gpu_tests_report_holds_the_tests_that_ended_before_a_kill(tmp_path):
-    paths = Paths(tmp_path, tmp_path)
-    (tmp_path / "gpu_tests.log").write_text(
+    """From pytest -v's log, in one process or several (pytest-xdist's lines)."""
+    log = tmp_path / "gpu_tests.log"
+    log.write_text(
         "tests/test_gpu.py::test_checkpoints_hold_the_workers_own_cuda_generator PASSED [ 4%]\n"
         "tests/test_gpu.py::test_two_workers_sharing_one_gpu_match_one_worker[ps-float32, "
         "TF32 off] FAILED [ 8%]\n"
         "tests/test_gpu.py::test_two_gpus_match_one[ps] SKIPPED (needs two CUDA GPUs) [12%]\n"
+        "[gw1] [ 16%] PASSED tests/test_precision.py::test_bf16_autocast[cuda] \n"
         "tests/test_gpu.py::test_sigterm_then_resume_on_the_gpu_continues ")  # cut off here
-    figures = gpu_day_parts.test_figures(paths, "gpu_tests")
-    assert figures["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    figures = gpu_tests.figures(tmp_path / "gpu_tests.xml", log)
+    assert figures["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
     assert figures["tests"][1] == {"name": "tests/test_gpu.py::test_two_workers_sharing_one_"
                                            "gpu_match_one_worker[ps-float32, TF32 off]",
                                    "outcome": "failed"}
-    assert gpu_day_parts.test_lines(figures)[0] == "- 1 passed, 1 failed, 1 skipped"
+    assert figures["tests"][3]["name"] == "tests/test_precision.py::test_bf16_autocast[cuda]"
+    assert gpu_tests.summary(figures)[0] == "- 2 passed, 1 failed, 1 skipped"
 
 
 def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path):
@@ -155,14 +172,17 @@ def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path)
     those that import packages the GPU machine lacks (boto3, nbclient), collected without an
     error; tests that stay in their process first, then by the driver processes they
     start."""
-    command = gpu_day_parts.gpu_tests(Paths(tmp_path, tmp_path))
+    assert gpu_tests.command(tmp_path / "t.xml", 4, "")[-2:] == ["-n", "4"]  # pytest-xdist
+    part = next(p for p in gpu_check.parts(gpu_check.Options(test_processes=1))
+                if p.name == "gpu_tests")
+    command = part.command(Paths(tmp_path, tmp_path))
     files = [arg for arg in command if arg.startswith("tests/")]
     assert "tests/test_gpu.py" in files and "tests/test_precision.py" in files
     assert not {"tests/test_shards.py", "tests/test_notebook.py"} & set(files)
     collected = subprocess.run(
         [arg for arg in command if arg != "-v"] + ["--collect-only", "-q"], cwd=REPO,
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, **gpu_day_parts.by_name("gpu_tests")[0].env})
+        env={**os.environ, **part.env})
     assert collected.returncode == 0, collected.stdout[-2000:]
     order = [line for line in collected.stdout.splitlines() if "::" in line]
     assert {test.split("::")[0] for test in order} >= {"tests/test_gpu.py",
@@ -173,16 +193,53 @@ def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path)
     assert order[-1].endswith("test_sigterm_then_resume_on_the_gpu_continues")
 
 
-def test_gpu_day_probes_a_machine_without_a_gpu(tmp_path):
-    result = bench("gpu-day", "--parts", "probe", "--budget", "60", "--out",
-                   str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--archive",
-                   str(tmp_path / "gd.tar.gz"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    with tarfile.open(tmp_path / "gd.tar.gz") as archive:
-        assert set(archive.getnames()) == {"out", "out/probe.json", "out/probe.log",
-                                           "out/probe.report.json", "out/summary.md"}
-    probe = json.loads((tmp_path / "out" / "probe.json").read_text())
-    assert probe["status"] == "ok" and probe["figures"]["gpus"] == []
-    assert "- GPUs: none" in (tmp_path / "out" / "summary.md").read_text()
-    refused = bench("gpu-day", "--parts", "nonsense", "--out", str(tmp_path / "x"))
+def test_the_verdict_wants_a_gpu_every_part_ok_and_a_gpu_test_passed():
+    probe = {"name": "probe", "status": "ok", "figures": {"gpus": [{"name": "H100"}]}}
+
+    def tests(counts: dict, status: str = "ok") -> dict:
+        return {"name": "gpu_tests", "status": status, "figures": {"counts": counts}}
+
+    assert gpu_check.verdict([probe, tests({"passed": 3, "skipped": 1})]) == ("ok", 0)
+    assert gpu_check.verdict([probe, tests({"skipped": 4})]) == ("failed", 1)  # proves nothing
+    assert gpu_check.verdict([probe, tests({"passed": 2, "failed": 1}, "failed (exit 1)")]) == \
+        ("failed", 1)
+    killed = {"name": "e2e", "status": "killed at its deadline (100 s)", "figures": None}
+    assert gpu_check.verdict([probe, killed]) == ("failed", 1)
+    assert gpu_check.verdict([{**probe, "figures": {"gpus": []}}, tests({"skipped": 4})]) == \
+        ("no CUDA GPU", 2)
+
+
+def test_gpu_check_on_a_machine_without_a_gpu_says_so(tmp_path):
+    """The parts that run anywhere: the probe finds no GPU, the DALI part states the formula
+    without measuring, every gpu test is skipped; the verdict says why, and the archive holds
+    the report folder as the last part left it."""
+    result = bench("gpu-check", "--parts", "probe,dali_memory,gpu_tests", "-n", "1",
+                   "--budget", "240", "--out", str(tmp_path / "out"), "--work",
+                   str(tmp_path / "work"), "--archive", str(tmp_path / "gc.tar.gz"))
+    out = tmp_path / "out"
+    parts = {name: json.loads((out / f"{name}.json").read_text())
+             for name in ("probe", "dali_memory", "gpu_tests")}
+    assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(parts, "ok")
+    assert parts["probe"]["figures"]["versions"]["torch"] == torch.__version__
+    dali = parts["dali_memory"]["figures"]  # the defaults: 8 threads, batch 256
+    assert dali["expected"]["train"]["gpu_bytes"] == 8 * 211_025_920
+    assert dali["expected"]["val"]["pinned_bytes"] == 2 * 8 * 2**23
+    tests = {t["name"].rsplit("::", 1)[-1]: t for t in parts["gpu_tests"]["figures"]["tests"]}
+    assert "test_no_host_sync_inside_a_training_step[off-bf16]" in tests
+    assert any(name.startswith("test_two_gpus_match_one") for name in tests)
+    with tarfile.open(tmp_path / "gc.tar.gz") as archive:
+        assert {"out/probe.json", "out/dali_memory.report.json", "out/gpu_tests.xml",
+                "out/summary.md"} <= set(archive.getnames())
+        assert archive.extractfile("out/summary.md").read() == (out / "summary.md").read_bytes()
+    if torch.cuda.is_available():  # on a GPU machine: its own verdict
+        assert (result.returncode == 0) == ("verdict: ok" in result.stdout)
+        return
+    assert result.returncode == 2 and "verdict: no CUDA GPU" in result.stdout
+    assert parts["probe"]["figures"]["gpus"] == []
+    assert {t["outcome"] for t in tests.values()} == {"skipped"}
+    assert dali["measured"] is None and dali["why_not"] == "no CUDA GPU"
+    summary = (out / "summary.md").read_text()
+    assert "- GPUs: none" in summary
+    assert "- train: expected GPU 1,610 MiB, pinned 2,145 MiB (8 threads)" in summary
+    refused = bench("gpu-check", "--parts", "nonsense", "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "unknown parts nonsense" in refused.stderr
