@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.parallel.allreduce import AllReduceSync, free_port
 from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync

@@ -29,7 +29,7 @@ from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
 from app.data.resolution import TrainSizes  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
 from app.launch.run import prepare_job, write_run_folder  # noqa: E402
-from app.parallel import LocalSync  # noqa: E402
+from app.parallel.sync import LocalSync  # noqa: E402
 from app.runtime.devices import WorkerEnv  # noqa: E402
 from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402

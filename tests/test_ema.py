@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from app.config.sources import parse_config
 from app.loggers import NullLogger
-from app.parallel import LocalSync, checked_parameters, compare_checksums, weights_checksum
+from app.parallel.sync import LocalSync, checked_parameters, compare_checksums, weights_checksum
 from app.parallel.watch import SyncFailure
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError

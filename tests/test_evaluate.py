@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.data.pipeline import DeviceBatch
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.training.evaluate import correct_counts, evaluate
 from app.training.precision import Precision
 

@@ -13,7 +13,7 @@ import torch
 
 from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Action
 from app.training import checkpoint, run_state

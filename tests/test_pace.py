@@ -5,7 +5,7 @@ wait share of W / (W + S)."""
 
 import pytest
 
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.training import pace as pace_module
 from app.training.pace import Pace

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.models.factory import create_model
-from app.parallel import compare_checksums, weights_checksum
+from app.parallel.sync import compare_checksums, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.plans import choose_sync
 from app.parallel.ps_server import Reducer, Registration, ServerLinks, syncgrads

@@ -11,7 +11,7 @@ from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.models import pretrained
 from app.models.factory import create_model, create_model_from_config
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.training import checkpoint

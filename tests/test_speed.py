@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from app.loggers.jsonl import JsonlLogger
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.parallel.allreduce import free_port
 from app.parallel.buckets import BucketHooks, BucketLayout
-from app.parallel.ps_server import ServerLinks, run_server
+from app.parallel.messages import ServerLinks
+from app.parallel.ps_server import run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch
 from app.runtime.devices import WorkerEnv

@@ -17,7 +17,7 @@ from app.data.augment import EvalRecipe, TrainRecipe
 from app.data.sampler import ShardedBatches
 from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.training import checkpoint
 from app.training.precision import Precision

@@ -18,7 +18,7 @@ import torch
 from app.config.sources import parse_config
 from app.launch.run import prepare_job
 from app.loggers import NullLogger
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.parallel.allreduce import free_port
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.training import checkpoint
 from app.training.trainer import Finished, train_worker

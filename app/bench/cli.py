@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --budget 600 --out gpu-check   # a GPU machine, proved
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
+  python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
 """
 
 
@@ -161,7 +162,26 @@ def build_parser() -> argparse.ArgumentParser:
                           "'started' line names it")
     teardown.add_argument("flags", nargs="*", default=list(TEARDOWN_RUN), help="the driver's "
                           "flags after --, default: " + " ".join(TEARDOWN_RUN))
-    for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown):
+    start = commands.add_parser("start", help="what starting a run costs: the machine's CPU "
+                                "seconds and the time to the first step, N workers, a restart, "
+                                "and pytorch/examples' main.py beside them")
+    start.add_argument("--dataset", default="sample_tiny")
+    start.add_argument("-a", "--arch", default="resnet18", help="a torchvision model name too, "
+                       "with --peer")
+    start.add_argument("--image-size", type=int, default=32)
+    start.add_argument("-b", "--batch-size", type=int, default=16, help="per worker process")
+    start.add_argument("--epochs", type=int, default=1)
+    start.add_argument("--workers", default="1,2,4", help="worker processes, comma-separated")
+    start.add_argument("--sync", default="ps,allreduce", help="modes for 2+ workers")
+    start.add_argument("-j", "--loaders", default="1,2", help="loader processes per worker")
+    start.add_argument("--restart", action="store_true", help="also: SIGKILL worker 1 of 2 "
+                       "after its first step, time to the first step of the restarted group")
+    start.add_argument("--peer", action="store_true", help="also: pytorch/examples' main.py "
+                       "recipe with as many processes and loader processes")
+    start.add_argument("--repeats", type=int, default=2)
+    start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
+                       "the same run (each of its rows right after ours)")
+    for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
         sub.add_argument("--json", help="also write the report to this file")
     return parser
 
@@ -298,6 +318,15 @@ def main(argv: list[str]) -> int:
     elif args.command == "teardown":
         from app.bench import teardown as bench  # noqa: PLC0415
         report = bench.run(args.flags, args.victim, args.repeats)
+    elif args.command == "start":
+        from app.bench import start as bench  # noqa: PLC0415
+        setup = bench.Setup(args.dataset, args.arch, args.image_size, args.batch_size,
+                            args.epochs)
+        rows = bench.rows_for(numbers(args.workers), args.sync.split(","),
+                              numbers(args.loaders), args.restart, args.peer)
+        report = bench.run(setup, rows, args.repeats,
+                           Path(args.baseline_repo).resolve() if args.baseline_repo else None,
+                           save)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,

@@ -22,7 +22,7 @@ from app.data.decoders import dali_imports
 from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.models.factory import create_model
-from app.parallel import LocalSync
+from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
 from app.training.speed import compile_enabled
 from app.training.trainer import Trainer

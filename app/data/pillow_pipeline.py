@@ -12,6 +12,7 @@ their crops stay those of ShardedBatches and the recipe.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -31,8 +32,11 @@ from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.sampler import ShardedBatches
 from app.data.samples import Sample, open_samples
 from app.runtime.errors import UserError, original_error
+from app.runtime.fork_safety import threads_fork_breaks
 from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.moments import moment
 
+log = logging.getLogger("imagenet_dp")
 READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
 
 
@@ -54,11 +58,15 @@ class ReadAhead:
         self.batches = batches
         self.stride = max(processes, 1)
         self.depth = depth
+        self.empty_pass = False  # the next pass asks for nothing (PillowPipeline.open)
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[BatchRequest]:
+        if self.empty_pass:
+            self.empty_pass = False
+            return
         batches = iter(self.batches)
         window = deque(itertools.islice(batches, self.depth * self.stride + 1))
         while window:
@@ -118,6 +126,7 @@ class ImageDataset(Dataset):
     def __getitems__(self, request: BatchRequest | list[tuple[int, int]]) -> list:
         if not isinstance(request, BatchRequest):
             request = BatchRequest(request, [])
+        moment("loader:batch")
         rows = [row for row, _ in request.items]
         samples = self.samples.read(rows, request.upcoming, request.epoch)
         recipe = self.recipe.at_epoch(request.epoch)
@@ -155,14 +164,32 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
     """`dataset_type` and `collate_fn`: what the loader processes make of each image and
     batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
-    # Remote filesystems (s3fs: an event loop thread, open connections) must not cross a
-    # fork (fsspec/s3fs #914): their loader processes are spawned and open their own.
-    context = None if workers == 0 or root.is_local else "spawn"
     return DataLoader(dataset_type(root, frame, recipe, batches),
                       batch_sampler=ReadAhead(batches, workers), num_workers=workers,
                       collate_fn=collate_fn, pin_memory=pin_memory,
-                      persistent_workers=workers > 0, multiprocessing_context=context,
-                      worker_init_fn=ignore_stop_signals)
+                      persistent_workers=workers > 0,
+                      multiprocessing_context=loader_start_method() if workers else None,
+                      worker_init_fn=loader_init)
+
+
+def loader_start_method() -> str:
+    """Fork: a loader process starts in milliseconds with this process's imports and the
+    dataset's table (nothing is pickled to it; the table's paths are fixed-width bytes, so the
+    pages stay shared), and the processes start side by side. Spawn only where a fork is known
+    to break something this process runs (app/runtime/fork_safety.py): each process then
+    imports and unpickles its dataset, one after another."""
+    broken = threads_fork_breaks()
+    if broken:
+        log.info("loader processes are spawned, not forked: this process runs %s threads",
+                 broken[0])
+        return "spawn"
+    return "fork"
+
+
+def loader_init(index: int) -> None:
+    """First thing in each loader process (DataLoader's worker_init_fn)."""
+    ignore_stop_signals()
+    moment("loader:start")
 
 
 class PillowPipeline:
@@ -179,11 +206,16 @@ class PillowPipeline:
             collate_fn=self.collate_fn)
 
     def open(self, epoch: int, start_step: int = 0) -> None:
-        """Nothing to take in advance: batches are pinned and moved through torch's caching
-        allocators, which the first steps grow to their steady size whichever pipeline asks,
-        and nothing is reserved per pipeline. Starting the loader processes now would decode
-        batches to throw away: the first epoch's iterator, with persistent workers, drains
-        what they had prefetched for a position set before it."""
+        """Start the loader processes now, with a pass that asks for nothing: they fork side by
+        side here, at the start of training, from a worker that has made no object-store
+        request yet (see loader_start_method), and no batch is decoded to be thrown away (the
+        first epoch's pass, with persistent processes, would drain what they had prefetched).
+        Nothing else to take in advance: batches are pinned and moved through torch's caching
+        allocators, which the first steps grow to their steady size."""
+        if self.loader is not None and self.loader.num_workers:
+            self.loader.batch_sampler.empty_pass = True
+            for _ in self.loader:  # forks the processes; the pass itself is empty
+                pass
 
     def steps_per_epoch(self) -> int:
         return self.batches.steps_per_epoch()

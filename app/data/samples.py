@@ -9,6 +9,7 @@ from typing import Protocol
 import pandas as pd
 
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
+from app.data.mapped import mapped
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.data.shard_reader import Sample, ShardSamples
@@ -34,6 +35,9 @@ class FileSamples:
         # instead of copying them as reference counts change.
         self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
         self.labels = frame.label.to_numpy()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "paths": mapped(self.paths), "labels": mapped(self.labels)}
 
     def __len__(self) -> int:
         return len(self.paths)

@@ -24,6 +24,7 @@ import pandas as pd
 from app.catalog.shard_index import REDOWNLOAD, ShardError
 from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
+from app.data.mapped import mapped
 from app.data.windows import WindowedBatches
 
 FETCHES_AT_ONCE = 4  # shards a batch needs, fetched side by side
@@ -50,7 +51,8 @@ class ShardSamples:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_open": OrderedDict(), "_prefetch": None, "_prefetched": None,
-                "_stopping": None}
+                "_stopping": None, "paths": mapped(self.paths), "labels": mapped(self.labels),
+                "shard_of": mapped(self.shard_of)}
 
     def __len__(self) -> int:
         return len(self.paths)

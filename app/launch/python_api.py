@@ -211,8 +211,8 @@ def relay_for(setup: TrainingSetup) -> Any:
     """Where the primary replica's log records wait for the caller's thread."""
     if in_threads(setup):
         return queue.Queue()
-    import torch.multiprocessing as mp  # noqa: PLC0415
-    return mp.get_context("spawn").Queue()
+    import multiprocessing  # noqa: PLC0415 (the context the replicas start from)
+    return multiprocessing.get_context("forkserver").Queue()
 
 
 def val_split(setup: TrainingSetup, val: Split | None) -> Split:

@@ -18,14 +18,16 @@ from urllib.parse import urlsplit
 from app.catalog import skipped
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
-from app.config import Config, DataConfig
+from app.config import Config, DataConfig, ParallelConfig, RunConfig
 from app.config.sources import dump_toml, parse_config
 from app.data.resolution import Resolution, resolve
-from app.runtime import slurm
+from app.runtime import forkserver, slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
 from app.runtime.files import write_atomically
+from app.runtime.forkserver import ByName
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.moments import moment
 from app.training.job import TrainJob
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("imagenet_dp")
 DEFAULT_IMAGE_SIZE = 224
+# The driver's worker, by name: the driver itself never imports the training loop (torch, timm)
+WORKER = ByName("app.launch.worker", "train_process")
 
 
 def main(argv: list[str]) -> int:
@@ -41,9 +45,10 @@ def main(argv: list[str]) -> int:
     config = with_job_run_name(config, launch, os.environ)
     if launch:
         check_launched(config, launch)
+    elif starts_processes(config.parallel, config.run):
+        # the forkserver imports what the workers need while this process resolves the job
+        forkserver.start(worker_imports(config))
     job = prepare_job(config)
-    # torch and timm take seconds to import: only now, so mistakes above are reported at once.
-    from app.launch.worker import launched_process  # noqa: PLC0415
     from app.parallel.plans import choose_sync  # noqa: PLC0415
     from app.runtime.devices import worker_devices  # noqa: PLC0415
     from app.training import preflight  # noqa: PLC0415
@@ -58,12 +63,32 @@ def main(argv: list[str]) -> int:
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=not (launch and launch.rank))
     if launch:
+        from app.launch.worker import launched_process  # noqa: PLC0415 (torch: this is a worker)
         code = launched_process(job, launch, launched_device(devices, launch))
     else:
         code = run_group(job, devices, mode)
     if code == PREEMPTED_EXIT_CODE and not (launch and launch.rank):
         print(resume_hint(job), file=sys.stderr)
+    moment("driver:end")
     return code
+
+
+def starts_processes(parallel: ParallelConfig, run: RunConfig) -> bool:
+    """Whether the driver starts worker processes (from the forkserver): several workers, or
+    one that --max-restarts may have to replace; threads and a single worker run here."""
+    several = len(parallel.devices) > 1 or parallel.gpus > 1
+    return (several and parallel.replicas_as != "threads") or run.max_restarts > 0
+
+
+def worker_imports(config: Config) -> list[str]:
+    """What the run's processes import as they start, which the forkserver imports once for all
+    of them: the worker's loop, the model factory and its library, the sync modes' modules,
+    the input pipeline's (the primary's loggers import their own libraries themselves)."""
+    modules = [WORKER.module, "app.models.factory", "app.parallel.ps_server",
+               "app.parallel.ps_worker", "app.parallel.allreduce", "app.data.pillow_pipeline"]
+    if config.data.decoder == "nvjpeg":
+        modules.append("app.data.nvjpeg_pipeline")
+    return [*modules, "timm"]  # every model the driver builds by name is timm's
 
 
 def with_job_run_name(config: Config, launch: LaunchEnv | None, environ) -> Config:
@@ -123,19 +148,19 @@ def print_nothing(line: str) -> None:
 def run_group(job: TrainJob, devices: list[str], mode: str) -> int:
     """The driver's worker processes; with --max-restarts N started again, after a failure,
     from this run's newest checkpoint (app/parallel/restarts.py)."""
-    from app.launch.worker import train_process  # noqa: PLC0415
     from app.parallel.launcher import Stopping, launch  # noqa: PLC0415
     from app.parallel.restarts import run_with_restarts  # noqa: PLC0415
     run = job.config.run
     stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
     if job.config.parallel.replicas_as == "threads" and len(devices) > 1:
         from app.parallel.threads import run_threads  # noqa: PLC0415
-        return run_threads(train_process, with_eager_threads(job), devices, job.config.parallel,
+        return run_threads(WORKER, with_eager_threads(job), devices, job.config.parallel,
                            stopping)
 
     def start(on_failure: Callable[[str], None]) -> int:
-        return launch(train_process, job, devices, mode, job.config.parallel, stopping,
-                      on_failure, replaceable=run.max_restarts > 0)
+        return launch(WORKER, job, devices, mode, job.config.parallel, stopping,
+                      on_failure, replaceable=run.max_restarts > 0,
+                      preload=tuple(worker_imports(job.config)))
 
     def prepare(restart: Restart) -> str:
         nonlocal job

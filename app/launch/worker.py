@@ -14,6 +14,7 @@ from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
 from app.runtime.devices import LaunchEnv, WorkerEnv, use_device
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
+from app.runtime.moments import moment
 from app.training.job import TrainJob
 from app.training.parts import ConfigParts, Parts
 from app.training.trainer import Stopped, train_worker
@@ -23,8 +24,11 @@ from app.training.user_parts import UserParts
 def train_process(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 1) -> int:
     """The driver's worker: the config's parts, the loggers built here (the primary's).
     Returns 0, or PREEMPTED_EXIT_CODE when it stopped on request after saving."""
-    return run_replica(job, env, plan, cpu_workers, ConfigParts(),
+    moment("worker:start")
+    code = run_replica(job, env, plan, cpu_workers, ConfigParts(),
                        lambda: build_loggers(job.run_info()))
+    moment("worker:end")
+    return code
 
 
 @dataclass(frozen=True)

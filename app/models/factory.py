@@ -15,10 +15,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-import timm
 import torch.nn as nn
-from timm.layers.blur_pool import _normalize_aa_layer
-from timm.models.resnet import ResNet
 
 from app.models.pretrained import load_pretrained
 from app.runtime.errors import UserError
@@ -58,6 +55,7 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     """timm's ResNet stem asks issubclass(aa_layer, ...), so a name must become a class first;
     timm's own resolver knows its names (avg, blur/blurpool, blurpc)."""
     if isinstance(kwargs.get("aa_layer"), str):
+        from timm.layers.blur_pool import _normalize_aa_layer  # noqa: PLC0415
         try:
             return {**kwargs, "aa_layer": _normalize_aa_layer(kwargs["aa_layer"])}
         except AssertionError:
@@ -85,6 +83,8 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
     """A freshly initialised model. `resnet18_small` (or any plain timm ResNet + `_small`) has
     a 3x3 stride-1 stem and no max-pool, as CIFAR-style ResNets use for 32-64 px inputs; its
     state_dict keys are those of the timm ResNet it is made from."""
+    import timm  # noqa: PLC0415 (seconds to import: only where a model is built by name)
+    from timm.models.resnet import ResNet  # noqa: PLC0415
     base = name.removesuffix(SMALL_SUFFIX)
     if not timm.is_model(base) and base.rpartition(".")[2][:1].isupper():
         # app.train records the caller's model class ("torchvision.models.resnet.ResNet",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.parallel import (StepImages, checked_parameters, compare_checksums, float_buffers,
+from app.parallel.sync import (StepImages, checked_parameters, compare_checksums, float_buffers,
                           scale_grads, weights_checksum)
 from app.parallel.rounds import round_store
 from app.runtime.devices import WorkerEnv

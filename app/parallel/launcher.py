@@ -1,11 +1,12 @@
 """The process supervisor: starts the worker processes (and the helpers their sync mode needs)
 and watches them.
 
-The driver spawns every process (spawn, not fork: fork breaks CUDA and s3fs) and then only
-watches: if any process dies, all others are stopped within seconds and the driver exits
-non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 to the driver ask the
-workers to save and stop. What runs inside a worker is the caller's `target` (app/launch/worker.py
-for training).
+The driver starts every process from the run's forkserver (app/runtime/forkserver.py: imported
+once, then forked in milliseconds; never a fork of the driver itself, which may hold CUDA or an
+S3 client) and then only watches: if any process dies, all others are stopped within seconds
+and the driver exits non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 to
+the driver ask the workers to save and stop. What runs inside a worker is the caller's `target`
+(app/launch/worker.py for training).
 """
 
 from __future__ import annotations
@@ -22,26 +23,35 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+import multiprocessing
 
 from app.config import ParallelConfig
 from app.parallel.plans import SYNC_MODES
 from app.parallel.watch import POLL_S, SyncFailure, descendants, die_with_parent, is_alive
+from app.runtime import forkserver
 from app.runtime.cli import end_process
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
+from app.runtime.moments import moment
 from app.runtime.spawning import main_module_spawn_can_run
 
 log = logging.getLogger("imagenet_dp")
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 
 
-def child_entry(name: str, target: Callable, args: tuple, reports: Queue) -> None:
-    """Wraps every child: dies with the driver, leaves Ctrl-C and SIGUSR1 to the driver (a
-    terminal and Slurm's --signal reach every process, not only the driver), and reports why
-    it failed before exiting non-zero."""
+def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
+                environ: dict[str, str], server: int) -> None:
+    """Wraps every child: takes the driver's environment as it was when the child was started,
+    dies with the forkserver `server` (which ends with the driver), leaves Ctrl-C and SIGUSR1 to
+    the driver (a terminal and Slurm's --signal reach every process, not only the driver), and
+    reports why it failed before exiting non-zero."""
+    forkserver.apply_environ(environ)
+    forkserver.forget_server()
     die_with_parent()
+    if os.getppid() != server:  # the server (and the driver) went before the line above
+        os._exit(1)
+    forkserver.unblock_stop_signals()
     for signum in (signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
@@ -83,11 +93,12 @@ def print_failure(cause: str) -> None:
 def launch(target: Callable, job: Any, devices: list[str], mode: str,
            config: ParallelConfig, stopping: Stopping = Stopping(),
            on_failure: Callable[[str], None] = print_failure, replaceable: bool = False,
-           on_tick: Callable[[], None] | None = None) -> int:
+           on_tick: Callable[[], None] | None = None, preload: tuple[str, ...] = ()) -> int:
     """Run `target(job, env, plan, cpu_workers)` once per device (`mode` from
     app/parallel/plans.py SYNC_MODES): in this process for an in-process mode (unless the
-    caller may have to replace the worker: `replaceable`), else in spawned processes, plus
-    the helpers the mode needs (the parameter server). Returns the exit code: 0,
+    caller may have to replace the worker: `replaceable`), else in processes started from the
+    forkserver, plus the helpers the mode needs (the parameter server). The forkserver imports
+    the targets' modules and `preload` (the model's library) once. Returns the exit code: 0,
     PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's, whose cause
     (which process, how it ended) goes to `on_failure` as one line. `on_tick` is called
     every POLL_S while the processes run (the Python API delivers log records there)."""
@@ -98,25 +109,29 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     # After a failure the queues of killed processes are cleaned up by multiprocessing's
     # resource tracker, which then warns about "leaked semaphores": expected, not a leak here.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
-    context = mp.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
     reports = context.Queue()
     requests = SharedRequests(context, len(devices))
     setup = sync_mode.setup(context, devices, config, requests)
-    children = [Child(h.name, context.Process(target=child_entry,
-                                              args=(h.name, h.target, h.args, reports)))
-                for h in setup.helpers]
     cpu_workers = devices.count("cpu")
-    for rank, device in enumerate(devices):
-        env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
-        name = f"worker {rank} ({device})"
-        children.append(Child(name, context.Process(
-            target=child_entry,
-            args=(name, target, (job, env, setup.plan, cpu_workers), reports))))
+    runs = [(h.name, h.target, h.args) for h in setup.helpers]
+    runs += [(f"worker {rank} ({device})", target,
+              (job, WorkerEnv(rank=rank, world_size=len(devices), device=device), setup.plan,
+               cpu_workers)) for rank, device in enumerate(devices)]
+    preload = {forkserver.module_of(run[1]) for run in runs} | set(preload)
+    forkserver.start(preload)
+    moment("driver:launch")
+    forkserver.context(preload)
+    server, environ = forkserver.server_pid(), forkserver.environ_now()
+    children = [Child(name, context.Process(
+        target=child_entry, args=(name, run_target, args, reports, environ, server)))
+        for name, run_target, args in runs]
     with main_module_spawn_can_run():
         for child in children:
             child.process.start()
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    return supervise(children, reports, requests, stopping, on_failure, on_tick)
+    moment("driver:started")
+    return supervise(children, reports, requests, stopping, on_failure, on_tick, server)
 
 
 class StopSignals:
@@ -158,10 +173,11 @@ class StopSignals:
 
 def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
               stopping: Stopping, on_failure: Callable[[str], None] = print_failure,
-              on_tick: Callable[[], None] | None = None) -> int:
+              on_tick: Callable[[], None] | None = None, server: int | None = None) -> int:
     """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
     the workers to save and stop at the next step, and wait for that up to stop_timeout; a
-    second signal (or the timeout) stops them at once."""
+    second signal (or the timeout) stops them at once. `server`: the forkserver the children
+    were started from (they die with it)."""
     signals = StopSignals()
     interval = Interval(stopping.checkpoint_interval)
     deadline = None
@@ -193,7 +209,7 @@ def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
                 # noticed it is gone has already exited.
                 ended = stop_all(children)
                 failed = [c for c in children if has_failed(c) and c.name not in ended]
-                code, cause = describe_failure(failed, drain(reports))
+                code, cause = describe_failure(failed, drain(reports), server)
                 on_failure(cause)
                 # Stopped on request all the same: not a failure to retry.
                 return 128 + signals.received if signals.received else code
@@ -221,10 +237,14 @@ def drain(reports: Queue) -> dict[str, tuple[str, str]]:
     return found
 
 
-def describe_failure(failed: list[Child], reports: dict[str, tuple[str, str]]
-                     ) -> tuple[int, str]:
-    """(exit code, cause). The cause is the root one: a process that was killed, crashed or
-    hit a user error comes before those that only noticed a peer was gone."""
+def describe_failure(failed: list[Child], reports: dict[str, tuple[str, str]],
+                     server: int | None = None) -> tuple[int, str]:
+    """(exit code, cause). The cause is the root one: the forkserver's death (every child dies
+    with it), then a process that was killed, crashed or hit a user error, before those that
+    only noticed a peer was gone."""
+    if server is not None and not is_alive(server):
+        return 1, (f"the forkserver (pid {server}) that starts this run's processes died, "
+                   f"and {len(failed)} process(es) with it")
     def only_noticed(child: Child) -> bool:
         return reports.get(child.name, ("", ""))[1] == "sync"
     child = sorted(failed, key=only_noticed)[0]

@@ -10,6 +10,7 @@ bytes, and the receiver's `get` rebuilds the message as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from multiprocessing.reduction import ForkingPickler
 
@@ -37,3 +38,14 @@ def post(queue: Queue, message: tuple, to: str) -> None:
         raise TransportFailure(f"could not send {message[0]!r} to {to}: "
                                f"{likely_cause(error)}") from None
     queue.put(Pickled(payload))
+
+
+@dataclass(frozen=True)
+class ServerLinks:
+    """The queues between the parameter server and its workers; made by the launcher,
+    inherited by both."""
+    inbox: Queue  # workers -> server: ("register" | "grads" | "reduce" | "checksum" | "done", ...)
+    outboxes: list[Queue]  # server -> worker r: ("hello" | "avg" | "reduced", ...)
+
+    def send_to(self, rank: int, message: tuple) -> None:
+        post(self.outboxes[rank], message, f"worker {rank}")

@@ -11,13 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from typing import TYPE_CHECKING
+
 from app.config import ParallelConfig
-from app.parallel import GradientSync, LocalSync
-from app.parallel.ps_server import ServerLinks, serve
+from app.parallel.messages import ServerLinks
 from app.parallel.watch import Watch
 from app.runtime.devices import LaunchEnv, WorkerEnv
 from app.runtime.errors import UserError
+from app.runtime.forkserver import ByName
 from app.runtime.interrupts import SharedRequests
+
+if TYPE_CHECKING:
+    from app.parallel.sync import GradientSync
 
 
 class SyncPlan(Protocol):
@@ -32,6 +37,7 @@ class LocalPlan:
     requests: SharedRequests | None = None
 
     def connect(self, env: WorkerEnv) -> GradientSync:
+        from app.parallel.sync import LocalSync  # noqa: PLC0415 (the driver imports no torch)
         return LocalSync()
 
 
@@ -64,7 +70,7 @@ class AllReducePlan:
 class Helper:
     """A process a mode runs beside the workers: `target(*args)` in a child of the driver."""
     name: str
-    target: Callable[..., Any]
+    target: ByName
     args: tuple
 
 
@@ -82,7 +88,7 @@ def local_setup(context: Any, devices: list[str], config: ParallelConfig,
 def ps_setup(context: Any, devices: list[str], config: ParallelConfig,
              requests: SharedRequests | None) -> Setup:
     links = ServerLinks(context.Queue(), [context.Queue() for _ in devices])
-    server = Helper(f"parameter server ({devices[0]})", serve,
+    server = Helper(f"parameter server ({devices[0]})", ByName("app.parallel.ps_server", "serve"),
                     (links, devices[0], config.sync_timeout))
     return Setup(PsPlan(links, config, requests), [server])
 

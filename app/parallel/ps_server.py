@@ -24,22 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.parallel import compare_checksums
+from app.parallel.sync import compare_checksums
 from app.parallel.buckets import split_buckets
 from app.parallel.handover import ServerSignals, server_signals
-from app.parallel.messages import post
+from app.parallel.messages import ServerLinks
 from app.parallel.packed import PackedTensors
 from app.parallel.watch import Abort, SyncFailure, Watch
-
-
-@dataclass(frozen=True)
-class ServerLinks:
-    """The queues between server and workers; made by the launcher, inherited by both."""
-    inbox: Queue  # workers -> server: ("register" | "grads" | "reduce" | "checksum" | "done", ...)
-    outboxes: list[Queue]  # server -> worker r: ("hello" | "avg" | "reduced", ...)
-
-    def send_to(self, rank: int, message: tuple) -> None:
-        post(self.outboxes[rank], message, f"worker {rank}")
+from app.runtime.moments import moment
 
 
 @dataclass
@@ -54,6 +45,7 @@ class Registration:
 
 def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
     """Process entry of the parameter server (a child of the driver)."""
+    moment("server:start")
     if device == "cpu":
         torch.set_num_threads(1)  # it adds buffers; the cores belong to the workers
     else:
@@ -68,6 +60,7 @@ def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | No
     worker processes (a process of its own: `serve`) and replica threads (a thread)."""
     watch = Watch(timeout_s=timeout_s, abort=abort)
     workers = register_workers(links, watch)
+    moment("server:registered")
     for rank in range(len(workers)):
         links.send_to(rank, ("hello", os.getpid(), workers[0].state))
     workers[0] = dataclasses.replace(workers[0], state=None)  # sent: its memory can go

@@ -22,9 +22,10 @@ from typing import Any, Callable
 import torch
 
 from app.config import ParallelConfig
-from app.parallel import GradientSync, LocalSync
+from app.parallel.sync import GradientSync, LocalSync
 from app.parallel.launcher import Stopping, StopSignals
-from app.parallel.ps_server import ServerLinks, run_server
+from app.parallel.messages import ServerLinks
+from app.parallel.ps_server import run_server
 from app.parallel.watch import Abort, SyncFailure, Watch
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError

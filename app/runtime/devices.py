@@ -48,6 +48,8 @@ def cpu_threads(cpu_workers: int) -> int:
 
 def resolve_device(name: str) -> str:
     """'auto' -> cuda:0 when a GPU is present, else cpu; checks that a named GPU exists."""
+    if name == "cpu":  # the driver of a CPU run never imports torch
+        return name
     import torch  # noqa: PLC0415
     if name == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from app.data.pipeline import DeviceBatch, Skipped
-from app.parallel import GradientSync
+from app.parallel.sync import GradientSync
 from app.training.precision import Precision
 
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from timm.loss import BinaryCrossEntropy
 
 from app.runtime.errors import UserError
 
@@ -37,6 +36,7 @@ class SmoothedBinaryCrossEntropy(nn.Module):
     def __init__(self, smoothing: float = 0.0, target_threshold: float | None = None):
         super().__init__()
         self.smoothing = smoothing
+        from timm.loss import BinaryCrossEntropy  # noqa: PLC0415 (timm: only for --bce-loss)
         self.bce = BinaryCrossEntropy(smoothing=smoothing, target_threshold=target_threshold)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

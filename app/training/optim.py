@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import timm.optim
 import torch
 import torch.nn as nn
 
@@ -57,14 +56,21 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
     if config.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999),
                                  fused=fused_or_default)
-    if config.optimizer == "lars":  # timm's; the MLPerf reference's trust coefficient and eps
-        return timm.optim.Lars(groups, lr=lr, momentum=config.momentum,
-                               nesterov=config.nesterov, trust_coeff=0.001, eps=0.0)
-    if config.optimizer == "lamb":  # timm's, with its global gradient-norm clip at 1.0
-        return timm.optim.Lamb(groups, lr=lr, betas=(config.momentum, 0.999))
+    if config.optimizer in ("lars", "lamb"):
+        return timm_optimizer(config, groups, lr)
     return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
                            fused=fused_or_default)
 
+
+
+def timm_optimizer(config: OptimConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    """timm's LARS (the MLPerf reference's trust coefficient and eps) or LAMB (with its global
+    gradient-norm clip at 1.0); timm is imported only for them."""
+    import timm.optim  # noqa: PLC0415
+    if config.optimizer == "lars":
+        return timm.optim.Lars(groups, lr=lr, momentum=config.momentum,
+                               nesterov=config.nesterov, trust_coeff=0.001, eps=0.0)
+    return timm.optim.Lamb(groups, lr=lr, betas=(config.momentum, 0.999))
 
 def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
                    scaler: torch.amp.GradScaler | None = None) -> None:

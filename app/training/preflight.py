@@ -12,15 +12,19 @@ import os
 import posixpath
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
-import torch.nn as nn
 
 from app.catalog.shard_store import ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.windows import DEFAULT_WINDOW
 from app.runtime.errors import UserError
+from app.runtime.files import remove_temporaries
 from app.training.job import TrainJob
+
+if TYPE_CHECKING:
+    import torch.nn as nn  # the driver runs the checks here without torch
 
 log = logging.getLogger("imagenet_dp")
 
@@ -170,8 +174,7 @@ def _exists_remote(root, path: str) -> bool:
 def remove_stale_temporaries(job: TrainJob) -> None:
     """Half-written checkpoints of a process killed while saving: never loaded, only in the
     way. Only the process that saves removes them."""
-    from app.training.checkpoint import CheckpointFolder  # noqa: PLC0415
-    for path in CheckpointFolder(job.checkpoint_dir, 1).remove_stale_temporaries():
+    for path in remove_temporaries(job.checkpoint_dir):
         log.warning("removed %s, left by a process killed while saving", path)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from app.parallel import GradientSync
+from app.parallel.sync import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.training import batch_layout, checkpoint

@@ -28,9 +28,10 @@ from app.data.batch_augment import BatchAugment
 from app.data.decoders import resolve_decoder
 from app.data.pipeline import DeviceBatch
 from app.loggers import Logger, NullLogger
-from app.parallel import GradientSync
+from app.parallel.sync import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.interrupts import NoRequests, Requests
+from app.runtime.moments import moment
 from app.training import checkpoint, preflight, run_state
 from app.training.accumulation import Accumulation
 from app.training.ema import build_ema
@@ -180,6 +181,7 @@ class Trainer:
 
     def fit(self) -> Outcome:
         self.open_pipelines()
+        moment("worker:first-batch")
         self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
         metrics: dict = {}
         while self.position.epoch < self.job.config.train.epochs:

@@ -1,0 +1,121 @@
+"""The peer's start, for `bin/bench.py start`: pytorch/examples imagenet/main.py as it trains on
+N devices (`--multiprocessing-distributed`): torch.multiprocessing.spawn starts one process per
+device, each importing torch and torchvision anew; each builds torchvision's model, wraps it in
+DistributedDataParallel, reads an ImageFolder through torchvision's transforms in DataLoader
+processes (forked: the default on Linux), trains with SGD and a step schedule, validates, and
+rank 0 saves a checkpoint. Here the devices are CPU processes under gloo.
+
+Run as `python -m app.bench.peer_main DIR --world N ...`; rank 0 prints one JSON line with the
+wall-clock time of its first optimizer step. As main.py does, `-j` is the loader processes of
+the whole machine, shared out between the processes. The module imports what main.py imports at
+its top, so each spawned process pays what main.py's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.utils.data
+import torch.utils.data.distributed
+import torchvision.datasets as datasets
+import torchvision.models as models
+import torchvision.transforms as transforms
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="pytorch/examples' ImageNet recipe, on CPUs")
+    parser.add_argument("data", help="an ImageFolder root: train/<class>/, val/<class>/")
+    parser.add_argument("-a", "--arch", default="resnet18")
+    parser.add_argument("-j", "--workers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("-b", "--batch-size", type=int, default=256, help="the whole machine's")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--world", type=int, default=1, help="processes (main.py: GPUs)")
+    parser.add_argument("--dist-url", default="tcp://127.0.0.1:23456")
+    parser.add_argument("--out", default=".", help="where rank 0 saves its checkpoint")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.world > 1:
+        mp.spawn(main_worker, nprocs=args.world, args=(args,))
+    else:
+        main_worker(0, args)
+
+
+def main_worker(rank: int, args: argparse.Namespace) -> None:
+    distributed = args.world > 1
+    if distributed:
+        dist.init_process_group("gloo", init_method=args.dist_url, world_size=args.world,
+                                rank=rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    model = models.__dict__[args.arch]()
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
+    batch = args.batch_size // args.world
+    workers = (args.workers + args.world - 1) // args.world
+    size = args.image_size
+    train_set = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
+        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(), transforms.Normalize(MEAN, STD)]))
+    val_set = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
+        transforms.Resize(size * 256 // 224), transforms.CenterCrop(size),
+        transforms.ToTensor(), transforms.Normalize(MEAN, STD)]))
+    train_sampler = torch.utils.data.distributed.DistributedSampler(train_set) \
+        if distributed else None
+    val_sampler = torch.utils.data.distributed.DistributedSampler(val_set, shuffle=False) \
+        if distributed else None
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=batch, shuffle=train_sampler is None, num_workers=workers,
+        sampler=train_sampler)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, num_workers=workers,
+                                             sampler=val_sampler)
+    for epoch in range(args.epochs):
+        if train_sampler:
+            train_sampler.set_epoch(epoch)
+        train(train_loader, model, criterion, optimizer, first_epoch=epoch == 0,
+              report=rank == 0)
+        validate(val_loader, model, criterion)
+        scheduler.step()
+        if rank == 0:
+            torch.save({"epoch": epoch + 1, "state_dict": model.state_dict(),
+                        "optimizer": optimizer.state_dict()},
+                       os.path.join(args.out, "checkpoint.pth.tar"))
+    if distributed:
+        dist.destroy_process_group()
+
+
+def train(loader, model, criterion, optimizer, first_epoch: bool, report: bool) -> None:
+    model.train()
+    for step, (images, target) in enumerate(loader):
+        loss = criterion(model(images), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if first_epoch and step == 0 and report:
+            print(json.dumps({"first_step_time": time.time()}), flush=True)
+
+
+def validate(loader, model, criterion) -> None:
+    model.eval()
+    with torch.no_grad():
+        for images, target in loader:
+            criterion(model(images), target)
+
+
+if __name__ == "__main__":
+    main()

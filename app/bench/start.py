@@ -1,0 +1,231 @@
+"""`bin/bench.py start`: what starting a run costs. For a one-epoch run of a small sample, the
+whole machine's CPU seconds (from /proc/stat, so every process counts however it was started:
+driver, workers, parameter server, loader processes, anything they start) and the wall time
+from the command to the first optimizer step; the same after a killed worker (`--max-restarts`:
+from the kill to the next step); and pytorch/examples' main.py recipe (app/bench/peer_main.py)
+started the same way beside them.
+
+Another checkout of the project (`--baseline-repo`) can be measured in the same run, each of
+its rows right after the same row of this one, so both meet the same machine. The machine
+should be otherwise idle: /proc/stat counts everyone's work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+RUN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    dataset: str = "sample_tiny"
+    arch: str = "resnet18"
+    image_size: int = 32
+    batch_size: int = 16  # per worker process
+    epochs: int = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    workers: int
+    sync: str  # "local" for one worker (it runs in the driver's process), ps, allreduce
+    loaders: int  # -j: loader processes per worker
+    kind: str = "ours"  # ours | restart | peer
+
+    def label(self) -> str:
+        sync = "" if self.kind == "peer" or self.workers == 1 else f" {self.sync}"
+        return f"{self.kind} {self.workers} worker(s){sync} -j {self.loaders}"
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot: user, nice, system, irq, softirq and
+    steal of every core (idle and iowait left out)."""
+    with open("/proc/stat") as handle:
+        fields = [int(value) for value in handle.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / TICKS
+
+
+def driver_flags(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
+    devices = ",".join(["cpu"] * row.workers)
+    return ["--catalog", str(repo / "datasets.toml"), "--dataset", setup.dataset,
+            "-a", setup.arch, "--image-size", str(setup.image_size),
+            "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
+            "-j", str(row.loaders), "--devices", devices, "--sync", row.sync,
+            "--output-dir", str(out), "--run-name", "start"]
+
+
+def first_train_time(metrics: Path, after: float = 0.0) -> float | None:
+    """The wall-clock time of the first train record in metrics.jsonl written after `after`."""
+    if not metrics.exists():
+        return None
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "train/loss" in record and record["time"] > after:
+            return record["time"]
+    return None
+
+
+def measure_ours(setup: Setup, row: Row, repo: Path) -> dict:
+    """One driver run from its command to its exit."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, str(repo / "bin" / "driver.py"),
+                   *driver_flags(setup, row, repo, Path(folder))]
+        cpu, started = machine_cpu_seconds(), time.time()
+        done = subprocess.run(command, cwd=folder, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+        wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
+        if done.returncode:
+            raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
+        first = first_train_time(Path(folder) / "start" / "metrics.jsonl")
+    return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+
+
+def measure_restart(setup: Setup, row: Row, repo: Path) -> dict:
+    """SIGKILL to worker 1 once the first step is logged; from the kill to the first step of
+    the group started again (--max-restarts 1): wall time and the machine's CPU seconds."""
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = Path(folder) / "start" / "metrics.jsonl"
+        command = [sys.executable, str(repo / "bin" / "driver.py"),
+                   *driver_flags(setup, row, repo, Path(folder)), "--max-restarts", "1"]
+        process = subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            started = wait_for(lambda: first_train_time(metrics), process)
+            victim = started_pids(process.stderr)["worker 1 (cpu)"]
+            cpu, killed = machine_cpu_seconds(), time.time()
+            os.kill(victim, signal.SIGKILL)
+            again = wait_for(lambda: first_train_time(metrics, after=killed), process)
+            cpu = machine_cpu_seconds() - cpu
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return {"cpu_s": cpu, "first_step_s": again - killed, "wall_s": again - killed,
+            "first_start_s": started}
+
+
+def started_pids(stderr) -> dict[str, int]:
+    """The driver's "started ps: worker 0 (cpu) pid 123, ..." line, read from its stderr."""
+    for line in stderr:
+        if "started" in line and " pid " in line:
+            parts = line.split(": ", 2)[2].strip().split(", ")
+            return {p.rsplit(" pid ", 1)[0]: int(p.rsplit(" pid ", 1)[1]) for p in parts}
+    raise RuntimeError("the driver ended without starting its workers")
+
+
+def wait_for(found: Callable[[], float | None], process: subprocess.Popen) -> float:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        value = found()
+        if value is not None:
+            return value
+        if process.poll() is not None:
+            raise RuntimeError(f"the driver ended (code {process.returncode}) too early")
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing within {RUN_TIMEOUT_S:.0f} s")
+
+
+def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", "app.bench.peer_main", str(imagefolder),
+                   "-a", setup.arch, "-j", str(row.loaders * row.workers),
+                   "-b", str(setup.batch_size * row.workers), "--epochs", str(setup.epochs),
+                   "--image-size", str(setup.image_size), "--world", str(row.workers),
+                   "--dist-url", f"tcp://127.0.0.1:{free_port()}", "--out", folder]
+        cpu, started = machine_cpu_seconds(), time.time()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+        wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
+    if done.returncode:
+        raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
+    first = json.loads(done.stdout.strip().splitlines()[-1])["first_step_time"]
+    return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rows_for(workers: list[int], syncs: list[str], loaders: list[int], restart: bool,
+             peer: bool) -> list[Row]:
+    rows = []
+    for count in workers:
+        for j in loaders:
+            modes = ["local"] if count == 1 else syncs
+            rows += [Row(count, mode, j) for mode in modes]
+            if peer:
+                rows.append(Row(count, "allreduce", j, "peer"))
+    if restart:
+        rows += [Row(2, mode, loaders[0], "restart") for mode in syncs]
+    return rows
+
+
+def run(setup: Setup, rows: list[Row], repeats: int, baseline: Path | None,
+        save: Callable[[dict], None]) -> dict:
+    from app.catalog import Catalog, sample  # noqa: PLC0415 (no torch)
+    Catalog.load(str(REPO / "datasets.toml")).open(setup.dataset)  # generated before timing
+    imagefolder = sample.ensure(sample.default_cache_dir(), "tiny", 0, layout="imagefolder") \
+        if any(row.kind == "peer" for row in rows) else None
+    versions = {"this": REPO, **({"baseline": baseline} if baseline else {})}
+    report: dict = {"setup": asdict(setup), "repos": {k: str(v) for k, v in versions.items()},
+                    "date": time.strftime("%Y-%m-%d"), "rows": []}
+    for row in rows:
+        for version, repo in versions.items():
+            if row.kind == "peer" and version != "this":
+                continue
+            runs = [measure(setup, row, repo, imagefolder) for _ in range(repeats)]
+            report["rows"].append({**asdict(row), "label": row.label(), "version": version,
+                                   "runs": runs, **medians(runs)})
+            save(report)
+            print(format_row(report["rows"][-1]), file=sys.stderr, flush=True)
+    return report
+
+
+def measure(setup: Setup, row: Row, repo: Path, imagefolder: Path | None) -> dict:
+    if row.kind == "peer":
+        return measure_peer(setup, row, imagefolder)
+    if row.kind == "restart":
+        return measure_restart(setup, row, repo)
+    return measure_ours(setup, row, repo)
+
+
+def medians(runs: list[dict]) -> dict:
+    return {f"median_{key}": statistics.median(run[key] for run in runs)
+            for key in ("cpu_s", "first_step_s", "wall_s")}
+
+
+def format_row(row: dict) -> str:
+    spread = lambda key: "-".join(f"{f(run[key] for run in row['runs']):.1f}"  # noqa: E731
+                                  for f in (min, max))
+    return (f"{row['label']:<34} {row['version']:<9} CPU {row['median_cpu_s']:6.1f} s "
+            f"({spread('cpu_s')})  first step {row['median_first_step_s']:5.1f} s "
+            f"({spread('first_step_s')})  wall {row['median_wall_s']:5.1f} s")
+
+
+def format_report(report: dict) -> str:
+    setup = report["setup"]
+    lines = [f"start: {setup['dataset']}, -a {setup['arch']}, {setup['image_size']} px, "
+             f"-b {setup['batch_size']} per worker, {setup['epochs']} epoch(s); machine CPU "
+             "seconds from /proc/stat, medians (min-max); restart rows: from the kill"]
+    lines += [format_row(row) for row in report["rows"]]
+    return "\n".join(lines)
+
