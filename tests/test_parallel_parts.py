@@ -16,7 +16,8 @@ from app.parallel.sync import compare_checksums, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.plans import choose_sync
 from app.parallel.ps_server import Reducer, Registration, ServerLinks, syncgrads
-from app.parallel.watch import SyncFailure, Watch, descendants, is_alive
+from app.parallel.watch import SyncFailure, Watch
+from app.runtime.liveness import descendants, is_alive
 from app.runtime.devices import LaunchEnv, cpu_threads, worker_devices
 from app.runtime.errors import UserError
 

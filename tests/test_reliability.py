@@ -16,7 +16,7 @@ from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
 from app.data.sampler import ShardedBatches
 from app.parallel.allreduce import free_port
-from app.parallel.watch import descendants
+from app.runtime.liveness import descendants
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
 from conftest import REPO, read_line_with, read_started_line, run_driver, skipped_rows, worker_pids

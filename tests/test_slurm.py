@@ -20,7 +20,7 @@ from app.data.augment import TrainRecipe
 from app.data.pillow_pipeline import build_loader
 from app.data.sampler import ShardedBatches
 from app.launch.run import check_launched, with_job_run_name
-from app.parallel.watch import descendants
+from app.runtime.liveness import descendants
 from app.runtime import slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError

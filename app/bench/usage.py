@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from app.parallel.watch import descendants
+from app.runtime.liveness import descendants
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

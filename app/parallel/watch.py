@@ -7,21 +7,19 @@ the checks degrade to os.kill(pid, 0).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import queue
 import re
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from app.runtime.errors import first_line
+from app.runtime.liveness import is_alive
 
 POLL_S = 0.5  # how often a blocked wait looks at its peers
-PR_SET_PDEATHSIG = 1
 ULIMIT_HINT = "raise the open-file limit: ulimit -n"
 
 
@@ -74,51 +72,6 @@ def peer_loss_as_sync_failure() -> Iterator[None]:
 def lost_a_peer(error: RuntimeError) -> bool:
     import torch.distributed as dist  # noqa: PLC0415 (the driver never needs it)
     return isinstance(error, dist.DistError) or "gloo/transport" in str(error)
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies, so no child outlives a
-    killed driver (Linux; a no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
-def is_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their DataLoader workers, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class Abort:
