@@ -268,6 +268,16 @@ def check_picklable(objects: dict[str, Any]) -> None:
                             "cannot reach worker processes; use parallel=\"threads\"") from None
 
 
+def modules_to_preload(parts: Any) -> tuple[str, ...]:
+    """The modules the caller's objects come from (torchvision.models.resnet, a project's own
+    module): the forkserver imports them once, not each replica as it unpickles them. A
+    notebook's own classes (__main__) are rebuilt from the pickle; no module to import."""
+    objects = (parts.model_template, parts.loss, parts.optimizer_spec, parts.schedule)
+    modules = {getattr(kind, "__module__", None) for value in objects if value is not None
+               for kind in defined_by(value)}
+    return tuple(sorted(m for m in modules if m and m != "__main__" and m in sys.modules))
+
+
 def defined_by(value: Any) -> list:
     """The classes or functions a spawned process must import to rebuild `value`: a module's
     own class and those of its submodules (a notebook's block inside nn.Sequential too)."""

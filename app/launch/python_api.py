@@ -197,7 +197,8 @@ def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:
     causes: list[str] = []
     code = launch(api_replica, api_job, setup.devices,
                   choose_sync(setup.config.parallel.sync, setup.devices, None),
-                  setup.config.parallel, stopping, causes.append, on_tick=on_tick)
+                  setup.config.parallel, stopping, causes.append, on_tick=on_tick,
+                  preload=api_inputs.modules_to_preload(api_job.parts))
     if causes:
         raise (UserError if code == 2 else RuntimeError)(f"{causes[0]}; stopped the others")
     return code

@@ -85,7 +85,8 @@ def worker_imports(config: Config) -> list[str]:
     of them: the worker's loop, the model factory and its library, the sync modes' modules,
     the input pipeline's (the primary's loggers import their own libraries themselves)."""
     modules = [WORKER.module, "app.models.factory", "app.parallel.ps_server",
-               "app.parallel.ps_worker", "app.parallel.allreduce", "app.data.pillow_pipeline"]
+               "app.parallel.ps_worker", "app.parallel.allreduce", "app.data.pillow_pipeline",
+               "fsspec"]  # every reader opens the dataset through fsspec
     if config.data.decoder == "nvjpeg":
         modules.append("app.data.nvjpeg_pipeline")
     return [*modules, "timm"]  # every model the driver builds by name is timm's

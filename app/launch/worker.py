@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.loggers import Logger, NullLogger, build_loggers
+from app.data.pillow_pipeline import dead_loader, loader_death
 from app.loggers.relay import RelayLogger
 from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
@@ -44,9 +45,28 @@ def api_replica(api: ApiJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int = 
     return run_replica(api.job, env, plan, cpu_workers, api.parts, lambda: RelayLogger(api.relay))
 
 
+class LoaderDied(SyncFailure):
+    """One of this worker's loader processes died (the out-of-memory killer, a user)."""
+    noticed_only = False  # the cause is here, not in a peer
+
+
 @peer_loss_as_sync_failure()
 def run_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int, parts: Parts,
                 primary_logger: Callable[[], Logger]) -> int:
+    """A loader's death reaches this process as an error from wherever it was (the DataLoader's
+    SIGCHLD handler interrupts any code; a batch on its way breaks): whatever the error, a
+    loader process of this worker that died is its cause, told in one line."""
+    try:
+        return train_replica(job, env, plan, cpu_workers, parts, primary_logger)
+    except (RuntimeError, OSError, EOFError) as error:
+        cause = loader_death(error) or dead_loader()
+        if cause is None:
+            raise
+        raise LoaderDied(cause) from None
+
+
+def train_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int, parts: Parts,
+                  primary_logger: Callable[[], Logger]) -> int:
     use_device(env.device, cpu_workers)
     sync = plan.connect(env)
     # Without a driver above the workers (one process, torchrun, srun), each process listens for

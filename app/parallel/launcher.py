@@ -27,12 +27,13 @@ import multiprocessing
 
 from app.config import ParallelConfig
 from app.parallel.plans import SYNC_MODES
-from app.parallel.watch import POLL_S, SyncFailure, descendants, die_with_parent, is_alive
+from app.parallel.watch import POLL_S, SyncFailure
 from app.runtime import forkserver
 from app.runtime.cli import end_process
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
+from app.runtime.liveness import descendants, die_with_parent, is_alive
 from app.runtime.moments import moment
 from app.runtime.spawning import main_module_spawn_can_run
 
@@ -118,20 +119,40 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     runs += [(f"worker {rank} ({device})", target,
               (job, WorkerEnv(rank=rank, world_size=len(devices), device=device), setup.plan,
                cpu_workers)) for rank, device in enumerate(devices)]
-    preload = {forkserver.module_of(run[1]) for run in runs} | set(preload)
+    try:
+        children = start_children(context, runs, reports, set(preload))
+    except forkserver.ServerFailure as failure:
+        on_failure(str(failure))
+        return 1
+    log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
+    moment("driver:started")
+    server = forkserver.server_pid()
+    return supervise(children, reports, requests, stopping, on_failure, on_tick, server)
+
+
+def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], reports: Queue,
+                   preload: set[str]) -> list[Child]:
+    """Each (name, target, args) in a process of its own, forked by the forkserver once it has
+    imported the targets' modules and `preload`; ServerFailure if the server died meanwhile
+    (the processes already started are stopped then)."""
+    preload |= {forkserver.module_of(target) for _, target, _ in runs}
     forkserver.start(preload)
     moment("driver:launch")
     forkserver.context(preload)
     server, environ = forkserver.server_pid(), forkserver.environ_now()
     children = [Child(name, context.Process(
-        target=child_entry, args=(name, run_target, args, reports, environ, server)))
-        for name, run_target, args in runs]
+        target=child_entry, args=(name, target, args, reports, environ, server)))
+        for name, target, args in runs]
     with main_module_spawn_can_run():
         for child in children:
-            child.process.start()
-    log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    moment("driver:started")
-    return supervise(children, reports, requests, stopping, on_failure, on_tick, server)
+            try:
+                child.process.start()
+            except (OSError, EOFError):  # the server is gone: no answer to our request
+                stop_all([c for c in children if c.process.pid is not None])
+                raise forkserver.ServerFailure(f"the forkserver (pid {server}) that starts this "
+                                               f"run's processes died while starting "
+                                               f"{child.name}") from None
+    return children
 
 
 class StopSignals:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import sys
 from typing import Callable, NoReturn
@@ -32,7 +33,14 @@ def end_process(code: int) -> NoReturn:
     flushes), the output is flushed, and then the process ends at once. The interpreter's
     own teardown (collecting every module, the CUDA libraries' exit handlers) is skipped: it
     took 3.6 s on the 2-core test machine after a failed run had printed its error, and a
-    scheduler holds the job, and its nodes, until the process is gone (docs/benchmarks.md)."""
+    scheduler holds the job, and its nodes, until the process is gone (docs/benchmarks.md).
+
+    Daemon children still running (loader processes, after a failure) are killed first:
+    multiprocessing would end them with SIGTERM and wait for them, and loader processes
+    ignore SIGTERM (app/runtime/interrupts.py), so that wait would never end."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
     atexit._run_exitfuncs()  # noqa: SLF001 (what sys.exit would run, in the same order)
     for stream in (sys.stdout, sys.stderr):
         try:

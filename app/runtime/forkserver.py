@@ -1,0 +1,266 @@
+"""Where a run's processes start from: one forkserver per driver, which imports once what the
+workers and the parameter server need (torch, the model library, the training loop), then
+forks each of them: a process starts in milliseconds instead of paying seconds of imports, and
+a restart after a failure starts its group again from the same server.
+
+Why a forkserver and not fork: the driver may hold what a fork must not copy (an S3 client's
+threads, a notebook's CUDA context); the forkserver is a fresh interpreter that imports modules
+and does nothing else, so it never starts CUDA or a client. Python's forkserver has three traps,
+each handled here or where the child starts (app/parallel/launcher.py `child_entry`):
+
+- it imports its preload with the environment and sys.path of the moment it started, and
+  silently skips a module it cannot import: it is started with the caller's sys.path on its
+  PYTHONPATH, and a probe child checks that every module was imported (`check_preloaded`), so
+  a failed preload is an error, not seconds of imports paid by every process;
+- its children inherit its environment, not the caller's current one: each child is handed
+  `os.environ` as it is when it is started (`environ_now`), and sys.path and the working
+  folder travel with every child anyway (multiprocessing's preparation data);
+- its children are its own, not the driver's, and each holds the server's "alive" pipe, which
+  keeps the server running while any child runs: children close their copy (`forget_server`),
+  so the server ends when the driver ends, and a child's parent-death signal fires then.
+
+Imports nothing of app/ but runtime's errors and interrupts, and no torch: the driver stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import forkserver, util
+from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+from typing import Any, Callable, Iterable, Iterator
+
+from app.runtime.errors import UserError, first_line
+from app.runtime.forkserver_init import PARENT
+from app.runtime.interrupts import STOP_SIGNALS
+from app.runtime.spawning import main_module_spawn_can_run
+
+PROBE_TIMEOUT_S = 600.0  # the server's own imports come first: seconds, minutes on a busy box
+
+GUARD = "app.runtime.forkserver_init"  # imported first: the server dies with its parent
+_preloaded: frozenset[str] = frozenset()  # what the running server was asked to import
+_served = False  # whether it has started a process yet (checked by a probe)
+
+
+class ServerFailure(RuntimeError):
+    """The forkserver died (killed while it imported, say): one line, like a process's death."""
+
+
+@dataclass(frozen=True)
+class ByName:
+    """A process's entry point by module and function name: whoever starts the process need not
+    import the module (the forkserver has), and the module is what the server preloads."""
+    module: str
+    function: str
+
+    def __call__(self, *args: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.function)(*args)
+
+
+def module_of(target: Callable) -> str:
+    """What the forkserver imports for `target` to run without imports of its own."""
+    return target.module if isinstance(target, ByName) else target.__module__
+
+
+def start(preload: Iterable[str]) -> None:
+    """Start the server (unless it runs with at least `preload` already), without waiting for
+    its imports: they run while the caller goes on. A server that lacks a module is started
+    again with both sets (a notebook that trains another kind of model next). One that died
+    after it had served (the run it served has failed, or ended) is started anew; one that
+    died before it ever served was killed while this run started: ServerFailure."""
+    global _preloaded, _served
+    wanted = frozenset(preload)
+    pid = server_pid()
+    if pid is not None:
+        if is_running():
+            if wanted <= _preloaded:
+                return
+            wanted |= _preloaded
+            stop()
+        elif not _served:
+            raise ServerFailure(f"the forkserver (pid {pid}) that starts this run's processes "
+                                "died while it imported")
+    _preloaded, _served = wanted, False
+    forkserver.set_forkserver_preload([GUARD, *sorted(wanted - {GUARD})])
+    with importable_as_here(), stop_signals_blocked():
+        forkserver.ensure_running()
+
+
+def context(preload: Iterable[str]) -> BaseContext:
+    """The context to start the run's processes with: a server that has imported `preload`,
+    checked (UserError: a module could not be imported there; ServerFailure: it died)."""
+    global _served
+    preload = sorted(set(preload))
+    start(preload)
+    try:
+        check_preloaded(preload)
+    except (UserError, ServerFailure):
+        stop()  # the next start begins afresh, without the module that failed
+        raise
+    _served = True
+    return multiprocessing.get_context("forkserver")
+
+
+def stop() -> None:
+    """End the server now (SIGKILL: one still importing would otherwise finish first)."""
+    global _preloaded
+    pid = server_pid()
+    if pid is not None and is_running():
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        forget_dead_server()
+    _preloaded = frozenset()
+
+
+def server_pid() -> int | None:
+    return forkserver._forkserver._forkserver_pid  # noqa: SLF001
+
+
+def is_running() -> bool:
+    """Whether the server started by this process is alive (a dead one is reaped here and
+    forgotten: the next `start` starts another)."""
+    pid = server_pid()
+    if pid is None:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        done = pid
+    if done:
+        forget_dead_server()
+        return False
+    return True
+
+
+def forget_dead_server() -> None:
+    """Forget a server that died (killed by a user, or by the out-of-memory killer)."""
+    server = forkserver._forkserver  # noqa: SLF001
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)  # noqa: SLF001
+    address = server._forkserver_address  # noqa: SLF001
+    if address and not util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    server._forkserver_alive_fd = server._forkserver_pid = None  # noqa: SLF001
+    server._forkserver_address = None  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def importable_as_here() -> Iterator[None]:
+    """Around the server's start: it imports its preload before it knows our sys.path (Python
+    applies sys.path only to each child), so the path goes to it as PYTHONPATH; and it learns
+    who started it, to die with that process (app/runtime/forkserver_init.py)."""
+    server_only = {"PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
+                   PARENT: str(os.getpid())}
+    previous = {name: os.environ.get(name) for name in server_only}
+    os.environ.update(server_only)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Around the server's start: it inherits these signals blocked, so a signal sent to every
+    process of a job (Slurm's scancel and preemption, a terminal's Ctrl-C) leaves it alone; it
+    ends with the driver instead (its "alive" pipe). Its children unblock them
+    (`unblock_stop_signals`). Blocked, not ignored: one that reaches the driver meanwhile is
+    delivered once this ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def check_preloaded(modules: list[str]) -> None:
+    """A child of the server reports which of `modules` it did not find already imported;
+    each such module is imported there once more to tell why it failed. The probe starts once
+    the server has imported everything (it forks nothing before), or fails at once when the
+    server dies meanwhile: its answer to our request never comes, the pipe ends. (Python would
+    start a new server for the probe if it found the old one dead: that is a failure as well,
+    as for any process of the run killed while it started.)"""
+    server = server_pid()
+    context = multiprocessing.get_context("forkserver")
+    reader, writer = context.Pipe(duplex=False)
+    probe = context.Process(target=report_missing, args=(modules, writer),
+                            name="forkserver probe")
+    died = ServerFailure(f"the forkserver (pid {server}) that starts this run's processes "
+                         f"died while it imported {', '.join(modules)}")
+    try:
+        with main_module_spawn_can_run():
+            probe.start()
+        writer.close()
+        if server_pid() != server:
+            raise died
+        if not reader.poll(PROBE_TIMEOUT_S):
+            raise ServerFailure(f"the forkserver did not answer within {PROBE_TIMEOUT_S:.0f} s")
+        missing = reader.recv()
+    except (EOFError, OSError):
+        if probe.pid is None or not is_running():
+            raise died from None
+        probe.join(timeout=PROBE_TIMEOUT_S)
+        raise ServerFailure(f"a process started by the forkserver ended as it started (exit "
+                            f"code {probe.exitcode}); its error is above") from None
+    finally:
+        writer.close()
+        reader.close()
+        if probe.pid is not None:
+            probe.join(timeout=PROBE_TIMEOUT_S)
+    if missing:
+        name, why = next(iter(missing.items()))
+        raise UserError(f"the forkserver that starts this run's processes could not import "
+                        f"{name}: {why}; check that `python -c 'import {name}'` works with "
+                        "this interpreter and PYTHONPATH")
+
+
+def report_missing(modules: list[str], writer) -> None:
+    """In the probe child: {module: why} for each module the server had not imported."""
+    forget_server()
+    missing = {}
+    for name in [m for m in modules if m not in sys.modules]:
+        try:
+            importlib.import_module(name)
+            missing[name] = "it was not importable when the server started (sys.path?)"
+        except BaseException as error:  # noqa: BLE001 (the reason, in one line)
+            missing[name] = first_line(error, 200, with_type=True)
+    writer.send(missing)
+    writer.close()
+
+
+def environ_now() -> dict[str, str]:
+    """The caller's environment as it is now, for a child to take over (`apply_environ`)."""
+    return dict(os.environ)
+
+
+def apply_environ(environ: dict[str, str]) -> None:
+    """In a child of the server: the environment of the caller that started it, not the one
+    the server was started with (a restarted worker, a second app.train in a notebook)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def forget_server() -> None:
+    """In a child of the server: close its copy of the server's "alive" pipe, which otherwise
+    keeps the server (and so this child's parent) alive after the driver has gone. This
+    process then starts no process of its own from the server (it forks or spawns them)."""
+    alive = forkserver._forkserver._forkserver_alive_fd  # noqa: SLF001
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None  # noqa: SLF001

@@ -1,0 +1,57 @@
+"""Named moments in a process's life, where a test can hold the process to kill it exactly
+there, or read what it has imported by then. Without the variables below, a moment costs one
+dictionary lookup.
+
+- IMAGENET_DP_PAUSE_AT=NAME[,NAME...] and IMAGENET_DP_PAUSE_DIR=FOLDER: the first process of a
+  run to reach NAME writes FOLDER/NAME.PID and stops itself (SIGSTOP); the test then kills it,
+  or lets it go on (SIGCONT). Every other process passes by.
+- IMAGENET_DP_IMPORTS_DIR=FOLDER: at each moment, the process writes the packages outside the
+  standard library it has imported to FOLDER/NAME.PID.imports (tests/test_imports.py keeps them from growing).
+
+The moments: driver:launch (the forkserver imports, no worker started yet), driver:started
+(every process was just started), driver:end, server:start, server:registered (every worker
+has registered, no step averaged yet), worker:start, worker:first-batch (its pipelines are
+open, no batch taken), worker:end, loader:start, loader:batch (a loader was asked for a batch).
+Imports nothing of app/.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PAUSE_AT = "IMAGENET_DP_PAUSE_AT"
+PAUSE_DIR = "IMAGENET_DP_PAUSE_DIR"
+IMPORTS_DIR = "IMAGENET_DP_IMPORTS_DIR"
+
+
+def moment(name: str) -> None:
+    """This process has reached `name`."""
+    if IMPORTS_DIR in os.environ:
+        record_imports(name, os.environ[IMPORTS_DIR])
+    wanted = os.environ.get(PAUSE_AT)
+    if wanted and name in wanted.split(","):
+        pause(name, os.environ[PAUSE_DIR])
+
+
+def pause(name: str, folder: str) -> None:
+    try:  # the first process to get here pauses; the rest go on
+        os.close(os.open(os.path.join(folder, f"{name}.claimed"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    with open(os.path.join(folder, f"{name}.{os.getpid()}"), "w"):
+        pass
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def record_imports(name: str, folder: str) -> None:
+    """The packages outside the standard library, and torch._dynamo (seconds of its own)."""
+    packages = sorted({module.split(".")[0] for module in list(sys.modules)
+                       if not module.startswith("_")} - sys.stdlib_module_names)
+    packages += ["torch._dynamo"] if "torch._dynamo" in sys.modules else []
+    path = os.path.join(folder, f"{name}.{os.getpid()}.imports")
+    with open(path + ".part", "w") as handle:
+        handle.write("\n".join(packages) + "\n")
+    os.replace(path + ".part", path)
