@@ -10,6 +10,8 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 # One thread per process: the suite runs two tests at once (xdist), each starting workers, on a
@@ -22,6 +24,7 @@ import tomli_w  # noqa: E402
 import torch  # noqa: E402
 
 from app.catalog import sample
+from app.runtime.liveness import is_alive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,6 +127,43 @@ def read_line_with(process, text: str) -> str:
 
 def read_started_line(process) -> str:
     return read_line_with(process, "started")
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if marker.encode() in handle.read() and is_alive(int(entry)):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def start_driver(tmp_path, *args, env: dict | None = None):
+    """A driver in the background, marked so that every process it starts can be found."""
+    marker = f"IMAGENET_DP_TEST={uuid.uuid4()}"
+    env = {**os.environ, **(env or {}), marker.split("=")[0]: marker.split("=")[1]}
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "bin" / "driver.py"), "--catalog", str(REPO / "datasets.toml"),
+         "--dataset", "sample_tiny", *TINY_TRAIN_FLAGS, "-b", "4", "--epochs", "50", "-p", "1",
+         "--devices", "cpu,cpu", "--run-name", "long", *args],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return process, marker
+
+
+def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -> None:
+    metrics = tmp_path / "runs" / "long" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError("training did not start in time")
 
 
 def skipped_rows(run_dir: Path) -> list[dict]:

@@ -6,19 +6,18 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 import torch
 
 from app.launch.run import main
 from app.parallel.allreduce import free_port
-from app.parallel.watch import is_alive
 from app.runtime.cli import run_cli
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
-from conftest import (REPO, TINY_TRAIN_FLAGS, read_line_with, read_started_line,
-                      run_driver, worker_pids)
+from conftest import (REPO, TINY_TRAIN_FLAGS, processes_with, read_line_with,
+                      read_started_line, run_driver, start_driver, wait_for_training,
+                      worker_pids)
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 # float64, GroupNorm (independent of the batch split), no augmentation randomness differences:
@@ -137,42 +136,6 @@ def test_two_workers_train_the_tiny_sample(tmp_path, sync, loader_workers):
     assert result.stdout.count("val top-1") == 4
     state = weights(tmp_path / "runs" / "dp")
     assert state["step"] == 4 * 10  # 320 images / (2 x 16) per step
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if marker.encode() in handle.read() and is_alive(int(entry)):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def start_driver(tmp_path, *args):
-    """A driver in the background, marked so that every process it starts can be found."""
-    marker = f"IMAGENET_DP_TEST={uuid.uuid4()}"
-    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, *TINY_TRAIN_FLAGS, "-b", "4",
-         "--epochs", "50", "-p", "1", "--devices", "cpu,cpu", "--run-name", "long", *args],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return process, marker
-
-
-def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -> None:
-    metrics = tmp_path / "runs" / "long" / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read()
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.2)
-    raise AssertionError("training did not start in time")
 
 
 @pytest.mark.parametrize("sync, victim", [("ps", "worker 1 (cpu)"),

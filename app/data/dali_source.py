@@ -26,6 +26,7 @@ from app.data.decode import BadImage, open_complete, to_rgb
 from app.data.samples import open_samples
 from app.data.sampler import ShardedBatches
 from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.liveness import die_with_parent
 
 NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
 OP_IDS = {name: index for index, name in enumerate(OP_NAMES)}
@@ -72,8 +73,10 @@ class BatchSource:
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled in one of DALI's reader processes (spawned): those must outlive the stop
-        signals Slurm sends to every process of a job step, until their worker has saved."""
+        signals Slurm sends to every process of a job step, until their worker has saved, and
+        die with their worker."""
         self.__dict__.update(state)
+        die_with_parent()
         ignore_stop_signals()
 
     @functools.lru_cache(maxsize=2)  # each call is pure; the permutation costs ~20 ms

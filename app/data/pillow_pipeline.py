@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
+import signal
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import Callable, Iterator
 
 import numpy as np
@@ -34,6 +38,7 @@ from app.data.samples import Sample, open_samples
 from app.runtime.errors import UserError, original_error
 from app.runtime.fork_safety import threads_fork_breaks
 from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
 log = logging.getLogger("imagenet_dp")
@@ -186,8 +191,70 @@ def loader_start_method() -> str:
     return "fork"
 
 
+# How torch's DataLoader says that one of its processes died: from its SIGCHLD handler ("is
+# killed by signal: Killed", "exited unexpectedly with exit_code 1") or from its wait for a batch
+LOADER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) (?:is killed by signal: "
+                         r"([^.]+)|exited unexpectedly(?: with exit_code (-?\d+))?)")
+SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+
+
+# This process's loader processes by pid: how one ended, where the DataLoader does not say
+_started: weakref.WeakValueDictionary[int, BaseProcess] = weakref.WeakValueDictionary()
+
+
+def remember_processes(loader: DataLoader) -> None:
+    for process in getattr(getattr(loader, "_iterator", None), "_workers", []):
+        _started[process.pid] = process
+
+
+class LoaderProcessDied(RuntimeError):
+    """A loader process died while its batch was on its way (the pipe or the shared memory it
+    was handing over broke): the message says which process and how it ended."""
+
+
+def loader_death(error: BaseException) -> str | None:
+    """One line for a loader process's death, from the DataLoader's error (its SIGCHLD handler
+    interrupts whatever this process does) or ours (None: another error)."""
+    if isinstance(error, LoaderProcessDied):
+        return str(error)
+    found = LOADER_DIED.search(str(error))
+    if not found:
+        return None
+    pids, by_signal, code = found.groups()
+    process = _started.get(int(pids.split(",")[0]))
+    if by_signal is None and code is None and process is not None:
+        return describe_death(process)
+    how = f"was killed by {SIGNAL_NAMES.get(by_signal.strip(), by_signal.strip())}" \
+        if by_signal else f"exited with code {code}" if code is not None else "exited"
+    if by_signal and by_signal.strip() == signal.strsignal(signal.SIGKILL):
+        how += " (by a user or the out-of-memory killer)"
+    return f"its loader process (pid {pids.strip()}) {how}"
+
+
+def describe_death(process: BaseProcess) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        how += " (by a user or the out-of-memory killer)" if -code == signal.SIGKILL else ""
+    else:
+        how = "ended" if code is None else f"exited with code {code}"
+    return f"its loader process (pid {process.pid}) {how}"
+
+
+def dead_loader() -> str | None:
+    """How the first of this process's loader processes that died ended (None: none died).
+    Its exit code where multiprocessing has it; else it is gone from /proc (reaped already)."""
+    for process in list(_started.values()):
+        if process.exitcode not in (None, 0) or not is_alive(process.pid):
+            return describe_death(process)
+    return None
+
+
 def loader_init(index: int) -> None:
-    """First thing in each loader process (DataLoader's worker_init_fn)."""
+    """First thing in each loader process (DataLoader's worker_init_fn): it dies with its
+    worker at once (torch's own check notices a dead parent only within 5 s), and leaves the
+    stop signals to it."""
+    die_with_parent()
     ignore_stop_signals()
     moment("loader:start")
 
@@ -216,6 +283,7 @@ class PillowPipeline:
             self.loader.batch_sampler.empty_pass = True
             for _ in self.loader:  # forks the processes; the pass itself is empty
                 pass
+            remember_processes(self.loader)
 
     def steps_per_epoch(self) -> int:
         return self.batches.steps_per_epoch()
@@ -224,10 +292,17 @@ class PillowPipeline:
         self.batches.set_epoch(epoch, start_step)
         failure = None
         try:
-            for batch in self.loader:
+            batches = iter(self.loader)  # the first pass forks the processes (unless open did)
+            remember_processes(self.loader)
+            for batch in batches:
                 yield self.on_device(batch)
         except UserError as error:  # a damaged shard, met in a loader process
             failure = original_error(error)
+        except (OSError, EOFError) as error:  # a batch's pipe or shared memory broke
+            death = dead_loader()
+            if death is None:
+                raise
+            raise LoaderProcessDied(death) from error
         if failure is not None:
             # Its loader processes stop now: left to garbage collection they may not stop
             # before the interpreter exits, whose join would then wait for them forever (they
