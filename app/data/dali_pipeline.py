@@ -211,8 +211,9 @@ class DaliPipeline:
         raise RuntimeError(f"the DALI pipeline delivered more than {self.steps_per_epoch()} "
                            f"steps in epoch {epoch + 1}")
 
-    def close(self) -> None:
-        """Stops the reader processes and frees DALI's memory."""
+    def close(self, at_once: bool = False) -> None:
+        """Stops the reader processes (DALI's pool ends them itself, at once) and frees DALI's
+        memory."""
         if self.pipe is not None:
             del self.pipe
             self.pipe = None

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 import signal
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ import pandas as pd
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from app.catalog.storage import DatasetRoot
 from app.data.augment import Plan, Recipe
@@ -42,7 +45,8 @@ from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
 log = logging.getLogger("imagenet_dp")
-READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
+READ_AHEAD_BATCHES = 2
+LIVENESS_POLL_S = 0.5  # how often a wait for a batch checks that the loader processes live  # per loader process: its next batches' images are fetched meanwhile
 
 
 @dataclass
@@ -169,12 +173,33 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
     """`dataset_type` and `collate_fn`: what the loader processes make of each image and
     batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
-    return DataLoader(dataset_type(root, frame, recipe, batches),
+    return WatchfulLoader(dataset_type(root, frame, recipe, batches),
                       batch_sampler=ReadAhead(batches, workers), num_workers=workers,
                       collate_fn=collate_fn, pin_memory=pin_memory,
                       persistent_workers=workers > 0,
                       multiprocessing_context=loader_start_method() if workers else None,
                       worker_init_fn=loader_init)
+
+
+class WatchfulIterator(_MultiProcessingDataLoaderIter):
+    """torch's iterator over its loader processes, waiting for a batch in steps of
+    LIVENESS_POLL_S instead of 5 s: after each it checks that its processes live. Its other
+    check, an error raised by its SIGCHLD handler in whatever code runs at that moment, is
+    lost where that code is a __del__ or an at-fork handler (seen here: filelock's); then a
+    dead loader process was noticed only 5 s later."""
+
+    def _try_get_data(self, timeout: float = LIVENESS_POLL_S):
+        return super()._try_get_data(timeout)
+
+
+class WatchfulLoader(DataLoader):
+    """A DataLoader whose iterator is WatchfulIterator."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return WatchfulIterator(self)
 
 
 def loader_start_method() -> str:
@@ -198,13 +223,38 @@ LOADER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) (?:is kil
 SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
 
 
-# This process's loader processes by pid: how one ended, where the DataLoader does not say
+# This process's loader processes by pid, and how those that died ended (os.waitid's answer,
+# read as each dies: whoever reaps it later, its multiprocessing object may never learn it)
 _started: weakref.WeakValueDictionary[int, BaseProcess] = weakref.WeakValueDictionary()
+_ended: dict[int, os.waitid_result] = {}
 
 
 def remember_processes(loader: DataLoader) -> None:
     for process in getattr(getattr(loader, "_iterator", None), "_workers", []):
         _started[process.pid] = process
+    if threading.current_thread() is threading.main_thread():
+        record_deaths()
+
+
+def record_deaths() -> None:
+    """A SIGCHLD handler in front of the DataLoader's (which raises its error wherever this
+    process is): it first notes how a loader process ended, without reaping it."""
+    previous = signal.getsignal(signal.SIGCHLD)
+    if getattr(previous, "records_loader_deaths", False):
+        return
+
+    def handler(signum, frame) -> None:
+        for pid in list(_started):
+            try:
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if ended is not None:
+                _ended.setdefault(pid, ended)
+        if callable(previous):
+            previous(signum, frame)
+    handler.records_loader_deaths = True
+    signal.signal(signal.SIGCHLD, handler)
 
 
 class LoaderProcessDied(RuntimeError):
@@ -233,6 +283,10 @@ def loader_death(error: BaseException) -> str | None:
 
 def describe_death(process: BaseProcess) -> str:
     code = process.exitcode
+    ended = _ended.get(process.pid)
+    if code is None and ended is not None:
+        code = -ended.si_status if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) \
+            else ended.si_status
     if code is not None and code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
         how += " (by a user or the out-of-memory killer)" if -code == signal.SIGKILL else ""
@@ -317,5 +371,11 @@ class PillowPipeline:
         images, labels = self.to_device(batch.images, batch.labels)
         return DeviceBatch(images, labels, batch.skipped)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """`at_once` (after a failure): the loader processes are killed rather than asked to
+        stop; asked, each is waited for up to 5 s, and one stuck handing over a batch that
+        nobody reads any more takes all of them (and then ignores SIGTERM)."""
+        if at_once:
+            for process in getattr(getattr(self.loader, "_iterator", None), "_workers", []):
+                process.kill()
         self.loader = None  # its persistent worker processes shut down with it

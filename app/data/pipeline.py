@@ -74,5 +74,6 @@ class InputPipeline(Protocol):
 
     def steps_per_epoch(self) -> int: ...
 
-    def close(self) -> None:
-        """Stop background processes; the pipeline is not used afterwards."""
+    def close(self, at_once: bool = False) -> None:
+        """Stop background processes; the pipeline is not used afterwards. `at_once` (after a
+        failure): end them without waiting for them to stop by themselves."""

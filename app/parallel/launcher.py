@@ -29,7 +29,7 @@ from app.config import ParallelConfig
 from app.parallel.plans import SYNC_MODES
 from app.parallel.watch import POLL_S, SyncFailure
 from app.runtime import forkserver
-from app.runtime.cli import end_process
+from app.runtime.cli import end_process, kill_daemon_children
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
@@ -58,17 +58,25 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         code = target(*args) or 0
-    except UserError as error:
-        reports.put((name, str(error), "user"))
-        code = USER_ERROR_EXIT_CODE
-    except SyncFailure as error:  # one line; "sync" if it only noticed another's failure
-        reports.put((name, str(error), "sync" if error.noticed_only else "transport"))
-        code = 1
-    except BaseException as error:  # noqa: BLE001 (reported to the driver, traceback printed)
-        traceback.print_exc()
-        reports.put((name, first_line(error, 300, with_type=True), "crash"))
-        code = 1
+    except BaseException as error:  # noqa: BLE001 (reported to the driver)
+        # Its loader processes go now: once the error is dropped, their graceful stop (a join
+        # of up to 5 s each) would keep this failed process, and so the run, alive.
+        kill_daemon_children()
+        code = report_failure(name, error, reports)
     end_process(code)  # the report is flushed to the driver first; no slow teardown
+
+
+def report_failure(name: str, error: BaseException, reports: Queue) -> int:
+    """The failure as one line for the driver; the exit code."""
+    if isinstance(error, UserError):
+        reports.put((name, str(error), "user"))
+        return USER_ERROR_EXIT_CODE
+    if isinstance(error, SyncFailure):  # one line; "sync" if it only noticed another's failure
+        reports.put((name, str(error), "sync" if error.noticed_only else "transport"))
+        return 1
+    traceback.print_exception(error)
+    reports.put((name, first_line(error, 300, with_type=True), "crash"))
+    return 1
 
 
 # --- the driver side --------------------------------------------------------------------
@@ -143,7 +151,7 @@ def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], report
     children = [Child(name, context.Process(
         target=child_entry, args=(name, target, args, reports, environ, server)))
         for name, target, args in runs]
-    with main_module_spawn_can_run():
+    with main_module_spawn_can_run(), forkserver.no_silent_restart():
         for child in children:
             try:
                 child.process.start()

@@ -27,6 +27,13 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
         return INTERRUPTED_EXIT_CODE
 
 
+def kill_daemon_children() -> None:
+    """SIGKILL this process's daemon children (loader processes), which die with it anyway."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
 def end_process(code: int) -> NoReturn:
     """Exit with `code` once the work is done: the exit handlers run (multiprocessing's stops
     and joins what is left of this process's children and flushes their queues, logging's
@@ -38,9 +45,7 @@ def end_process(code: int) -> NoReturn:
     Daemon children still running (loader processes, after a failure) are killed first:
     multiprocessing would end them with SIGTERM and wait for them, and loader processes
     ignore SIGTERM (app/runtime/interrupts.py), so that wait would never end."""
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
+    kill_daemon_children()
     atexit._run_exitfuncs()  # noqa: SLF001 (what sys.exit would run, in the same order)
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -192,26 +192,21 @@ def check_preloaded(modules: list[str]) -> None:
     """A child of the server reports which of `modules` it did not find already imported;
     each such module is imported there once more to tell why it failed. The probe starts once
     the server has imported everything (it forks nothing before), or fails at once when the
-    server dies meanwhile: its answer to our request never comes, the pipe ends. (Python would
-    start a new server for the probe if it found the old one dead: that is a failure as well,
-    as for any process of the run killed while it started.)"""
-    server = server_pid()
+    server dies meanwhile: its answer to our request never comes, the pipe ends."""
     context = multiprocessing.get_context("forkserver")
     reader, writer = context.Pipe(duplex=False)
     probe = context.Process(target=report_missing, args=(modules, writer),
                             name="forkserver probe")
-    died = ServerFailure(f"the forkserver (pid {server}) that starts this run's processes "
-                         f"died while it imported {', '.join(modules)}")
+    died = ServerFailure(f"the forkserver (pid {server_pid()}) that starts this run's "
+                         f"processes died while it imported {', '.join(modules)}")
     try:
-        with main_module_spawn_can_run():
+        with main_module_spawn_can_run(), no_silent_restart():
             probe.start()
         writer.close()
-        if server_pid() != server:
-            raise died
         if not reader.poll(PROBE_TIMEOUT_S):
             raise ServerFailure(f"the forkserver did not answer within {PROBE_TIMEOUT_S:.0f} s")
         missing = reader.recv()
-    except (EOFError, OSError):
+    except (EOFError, OSError, ServerFailure):
         if probe.pid is None or not is_running():
             raise died from None
         probe.join(timeout=PROBE_TIMEOUT_S)
@@ -227,6 +222,24 @@ def check_preloaded(modules: list[str]) -> None:
         raise UserError(f"the forkserver that starts this run's processes could not import "
                         f"{name}: {why}; check that `python -c 'import {name}'` works with "
                         "this interpreter and PYTHONPATH")
+
+
+@contextlib.contextmanager
+def no_silent_restart() -> Iterator[None]:
+    """Around starting processes: Python starts a new server, and waits for its imports, when
+    it finds the old one dead as it asks for a child; a server that died is a failure here
+    instead (only `start` starts one), so the caller learns of it at once."""
+    server = forkserver._forkserver  # noqa: SLF001
+
+    def ensure_alive() -> None:
+        if not is_running():
+            raise ServerFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
+                                "this run's processes died")
+    server.ensure_running = ensure_alive  # the instance's: shadows the method meanwhile
+    try:
+        yield
+    finally:
+        del server.ensure_running
 
 
 def report_missing(modules: list[str], writer) -> None:

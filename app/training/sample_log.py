@@ -80,11 +80,11 @@ class RecordedPipeline:
     def steps_per_epoch(self) -> int:
         return self.pipeline.steps_per_epoch()
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
         if self.file:
             self.file.close()
             self.file = None
-        self.pipeline.close()
+        self.pipeline.close(at_once)
 
 
 def read_lines(path: Path) -> list[dict]:

@@ -78,11 +78,13 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
     try:
         if job.resume_from:
             trainer.load_state_dict(run_state.load(job, env))
-        if job.config.run.evaluate:
-            return Finished(trainer.evaluate_and_log())
-        return trainer.fit()
-    finally:
-        trainer.close()
+        outcome = Finished(trainer.evaluate_and_log()) if job.config.run.evaluate \
+            else trainer.fit()
+    except BaseException:
+        trainer.close(at_once=True)  # a failure ends this worker, and the run, without delay
+        raise
+    trainer.close()
+    return outcome
 
 
 class Trainer:
@@ -345,6 +347,6 @@ class Trainer:
         self.logger.log_metrics(self.position.step, {"epoch": self.position.epoch, **metrics})
         return metrics
 
-    def close(self) -> None:
-        self.train_data.close()
-        self.val_data.close()
+    def close(self, at_once: bool = False) -> None:
+        self.train_data.close(at_once)
+        self.val_data.close(at_once)
