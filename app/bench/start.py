@@ -64,7 +64,8 @@ def driver_flags(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
     return ["--catalog", str(repo / "datasets.toml"), "--dataset", setup.dataset,
             "-a", setup.arch, "--image-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
-            "-j", str(row.loaders), "--devices", devices, "--sync", row.sync,
+            "-j", str(row.loaders), "--devices", devices,
+            "--sync", "auto" if row.sync == "local" else row.sync,
             "--output-dir", str(out), "--run-name", "start"]
 
 
