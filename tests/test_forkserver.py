@@ -172,15 +172,15 @@ def test_a_loader_forks_unless_this_process_runs_an_object_stores_threads(s3_ser
 import logging
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from app.catalog.storage import DatasetRoot
-from app.data.pillow_pipeline import loader_start_method
+from app.data.loader_processes import start_method
 root = DatasetRoot("x", "s3://forks", {{"endpoint_url": "{s3_server.endpoint}"}},
                    store_options={{"endpoint_url": "{s3_server.endpoint}", "region": "us-east-1"}})
 assert root.read_bytes("hello.txt") == b"hello"  # through s3fs
 root.store  # an obstore client, no request yet
-print(loader_start_method())
+print(start_method())
 import obstore
 assert obstore.get(root.store, "hello.txt").bytes() == b"hello"
-print(loader_start_method())
+print(start_method())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=Path(__file__).parents[1], timeout=120)

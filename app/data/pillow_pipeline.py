@@ -12,15 +12,8 @@ their crops stay those of ShardedBatches and the recipe.
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-import re
-import signal
-import threading
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Callable, Iterator
 
 import numpy as np
@@ -28,9 +21,9 @@ import pandas as pd
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from app.catalog.storage import DatasetRoot
+from app.data import loader_processes as loaders
 from app.data.augment import Plan, Recipe
 from app.data.decode import BadImage, open_image, to_rgb
 from app.data.device import ToDevice
@@ -39,14 +32,9 @@ from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.data.sampler import ShardedBatches
 from app.data.samples import Sample, open_samples
 from app.runtime.errors import UserError, original_error
-from app.runtime.fork_safety import threads_fork_breaks
-from app.runtime.interrupts import ignore_stop_signals
-from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
-log = logging.getLogger("imagenet_dp")
-READ_AHEAD_BATCHES = 2
-LIVENESS_POLL_S = 0.5  # how often a wait for a batch checks that the loader processes live  # per loader process: its next batches' images are fetched meanwhile
+READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
 
 
 @dataclass
@@ -173,144 +161,12 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
     """`dataset_type` and `collate_fn`: what the loader processes make of each image and
     batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
-    return WatchfulLoader(dataset_type(root, frame, recipe, batches),
+    return loaders.WatchfulLoader(dataset_type(root, frame, recipe, batches),
                       batch_sampler=ReadAhead(batches, workers), num_workers=workers,
                       collate_fn=collate_fn, pin_memory=pin_memory,
                       persistent_workers=workers > 0,
-                      multiprocessing_context=loader_start_method() if workers else None,
-                      worker_init_fn=loader_init)
-
-
-class WatchfulIterator(_MultiProcessingDataLoaderIter):
-    """torch's iterator over its loader processes, waiting for a batch in steps of
-    LIVENESS_POLL_S instead of 5 s: after each it checks that its processes live. Its other
-    check, an error raised by its SIGCHLD handler in whatever code runs at that moment, is
-    lost where that code is a __del__ or an at-fork handler (seen here: filelock's); then a
-    dead loader process was noticed only 5 s later."""
-
-    def _try_get_data(self, timeout: float = LIVENESS_POLL_S):
-        return super()._try_get_data(timeout)
-
-
-class WatchfulLoader(DataLoader):
-    """A DataLoader whose iterator is WatchfulIterator."""
-
-    def _get_iterator(self):
-        if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        return WatchfulIterator(self)
-
-
-def loader_start_method() -> str:
-    """Fork: a loader process starts in milliseconds with this process's imports and the
-    dataset's table (nothing is pickled to it; the table's paths are fixed-width bytes, so the
-    pages stay shared), and the processes start side by side. Spawn only where a fork is known
-    to break something this process runs (app/runtime/fork_safety.py): each process then
-    imports and unpickles its dataset, one after another."""
-    broken = threads_fork_breaks()
-    if broken:
-        log.info("loader processes are spawned, not forked: this process runs %s threads",
-                 broken[0])
-        return "spawn"
-    return "fork"
-
-
-# How torch's DataLoader says that one of its processes died: from its SIGCHLD handler ("is
-# killed by signal: Killed", "exited unexpectedly with exit_code 1") or from its wait for a batch
-LOADER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) (?:is killed by signal: "
-                         r"([^.]+)|exited unexpectedly(?: with exit_code (-?\d+))?)")
-SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
-
-
-# This process's loader processes by pid, and how those that died ended (os.waitid's answer,
-# read as each dies: whoever reaps it later, its multiprocessing object may never learn it)
-_started: weakref.WeakValueDictionary[int, BaseProcess] = weakref.WeakValueDictionary()
-_ended: dict[int, os.waitid_result] = {}
-
-
-def remember_processes(loader: DataLoader) -> None:
-    for process in getattr(getattr(loader, "_iterator", None), "_workers", []):
-        _started[process.pid] = process
-    if threading.current_thread() is threading.main_thread():
-        record_deaths()
-
-
-def record_deaths() -> None:
-    """A SIGCHLD handler in front of the DataLoader's (which raises its error wherever this
-    process is): it first notes how a loader process ended, without reaping it."""
-    previous = signal.getsignal(signal.SIGCHLD)
-    if getattr(previous, "records_loader_deaths", False):
-        return
-
-    def handler(signum, frame) -> None:
-        for pid in list(_started):
-            try:
-                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                continue
-            if ended is not None:
-                _ended.setdefault(pid, ended)
-        if callable(previous):
-            previous(signum, frame)
-    handler.records_loader_deaths = True
-    signal.signal(signal.SIGCHLD, handler)
-
-
-class LoaderProcessDied(RuntimeError):
-    """A loader process died while its batch was on its way (the pipe or the shared memory it
-    was handing over broke): the message says which process and how it ended."""
-
-
-def loader_death(error: BaseException) -> str | None:
-    """One line for a loader process's death, from the DataLoader's error (its SIGCHLD handler
-    interrupts whatever this process does) or ours (None: another error)."""
-    if isinstance(error, LoaderProcessDied):
-        return str(error)
-    found = LOADER_DIED.search(str(error))
-    if not found:
-        return None
-    pids, by_signal, code = found.groups()
-    process = _started.get(int(pids.split(",")[0]))
-    if by_signal is None and code is None and process is not None:
-        return describe_death(process)
-    how = f"was killed by {SIGNAL_NAMES.get(by_signal.strip(), by_signal.strip())}" \
-        if by_signal else f"exited with code {code}" if code is not None else "exited"
-    if by_signal and by_signal.strip() == signal.strsignal(signal.SIGKILL):
-        how += " (by a user or the out-of-memory killer)"
-    return f"its loader process (pid {pids.strip()}) {how}"
-
-
-def describe_death(process: BaseProcess) -> str:
-    code = process.exitcode
-    ended = _ended.get(process.pid)
-    if code is None and ended is not None:
-        code = -ended.si_status if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) \
-            else ended.si_status
-    if code is not None and code < 0:
-        how = f"was killed by {signal.Signals(-code).name}"
-        how += " (by a user or the out-of-memory killer)" if -code == signal.SIGKILL else ""
-    else:
-        how = "ended" if code is None else f"exited with code {code}"
-    return f"its loader process (pid {process.pid}) {how}"
-
-
-def dead_loader() -> str | None:
-    """How the first of this process's loader processes that died ended (None: none died).
-    Its exit code where multiprocessing has it; else it is gone from /proc (reaped already)."""
-    for process in list(_started.values()):
-        if process.exitcode not in (None, 0) or not is_alive(process.pid):
-            return describe_death(process)
-    return None
-
-
-def loader_init(index: int) -> None:
-    """First thing in each loader process (DataLoader's worker_init_fn): it dies with its
-    worker at once (torch's own check notices a dead parent only within 5 s), and leaves the
-    stop signals to it."""
-    die_with_parent()
-    ignore_stop_signals()
-    moment("loader:start")
+                      multiprocessing_context=loaders.start_method() if workers else None,
+                      worker_init_fn=loaders.loader_init)
 
 
 class PillowPipeline:
@@ -329,7 +185,7 @@ class PillowPipeline:
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Start the loader processes now, with a pass that asks for nothing: they fork side by
         side here, at the start of training, from a worker that has made no object-store
-        request yet (see loader_start_method), and no batch is decoded to be thrown away (the
+        request yet (app/data/loader_processes.py), and no batch is decoded to be thrown away (the
         first epoch's pass, with persistent processes, would drain what they had prefetched).
         Nothing else to take in advance: batches are pinned and moved through torch's caching
         allocators, which the first steps grow to their steady size."""
@@ -337,7 +193,7 @@ class PillowPipeline:
             self.loader.batch_sampler.empty_pass = True
             for _ in self.loader:  # forks the processes; the pass itself is empty
                 pass
-            remember_processes(self.loader)
+            loaders.remember_processes(self.loader)
 
     def steps_per_epoch(self) -> int:
         return self.batches.steps_per_epoch()
@@ -347,16 +203,16 @@ class PillowPipeline:
         failure = None
         try:
             batches = iter(self.loader)  # the first pass forks the processes (unless open did)
-            remember_processes(self.loader)
+            loaders.remember_processes(self.loader)
             for batch in batches:
                 yield self.on_device(batch)
         except UserError as error:  # a damaged shard, met in a loader process
             failure = original_error(error)
         except (OSError, EOFError) as error:  # a batch's pipe or shared memory broke
-            death = dead_loader()
+            death = loaders.dead_loader()
             if death is None:
                 raise
-            raise LoaderProcessDied(death) from error
+            raise loaders.LoaderProcessDied(death) from error
         if failure is not None:
             # Its loader processes stop now: left to garbage collection they may not stop
             # before the interpreter exits, whose join would then wait for them forever (they
@@ -376,6 +232,5 @@ class PillowPipeline:
         stop; asked, each is waited for up to 5 s, and one stuck handing over a batch that
         nobody reads any more takes all of them (and then ignores SIGTERM)."""
         if at_once:
-            for process in getattr(getattr(self.loader, "_iterator", None), "_workers", []):
-                process.kill()
+            loaders.kill_processes(self.loader)
         self.loader = None  # its persistent worker processes shut down with it

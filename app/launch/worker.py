@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.loggers import Logger, NullLogger, build_loggers
-from app.data.pillow_pipeline import dead_loader, loader_death
+from app.data.loader_processes import dead_loader, loader_death
 from app.loggers.relay import RelayLogger
 from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure

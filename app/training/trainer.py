@@ -8,10 +8,9 @@ batches, and the time left. Everything parallel hides behind `sync` (app/paralle
 `sync.step()` wraps forward and backward, `sync.finish_step()` waits for the averaged
 gradients); numerics behind `precision`; saving and stopping on request behind `requests`
 (app/runtime/interrupts.py). Losses stay on the device and are fetched every print interval.
-Both input pipelines are opened before the first step: what they reserve is taken at start.
-With --accum-steps K an optimizer step takes K batches (accumulation.py); steps count those.
-With --model-ema a moving average of the weights (ema.py) follows each step, is evaluated
-beside them every epoch, and is part of the state.
+Both input pipelines start their processes before the first step. --accum-steps K: an
+optimizer step takes K batches (accumulation.py). --model-ema: a moving average of the weights
+(ema.py) follows each step, is evaluated beside them every epoch and is part of the state.
 """
 
 from __future__ import annotations
@@ -78,13 +77,12 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
     try:
         if job.resume_from:
             trainer.load_state_dict(run_state.load(job, env))
-        outcome = Finished(trainer.evaluate_and_log()) if job.config.run.evaluate \
-            else trainer.fit()
+        return Finished(trainer.evaluate_and_log()) if job.config.run.evaluate else trainer.fit()
     except BaseException:
         trainer.close(at_once=True)  # a failure ends this worker, and the run, without delay
         raise
-    trainer.close()
-    return outcome
+    finally:
+        trainer.close()
 
 
 class Trainer:
