@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         elif "gpu2" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
-    if os.environ.get("IMAGENET_DP_TESTS_FASTEST_FIRST"):  # gpu-day's gpu tests
+    if os.environ.get("IMAGENET_DP_TESTS_FASTEST_FIRST"):  # gpu-check's gpu tests part
         items.sort(key=processes_started)  # stable: the files' order among equals
 
 

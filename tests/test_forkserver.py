@@ -99,7 +99,7 @@ def test_a_server_killed_while_it_imports_is_a_failure_not_a_silent_new_server(
     server = forkserver.server_pid()
     time.sleep(0.5)
     os.kill(server, signal.SIGKILL)
-    with pytest.raises(forkserver.ServerFailure, match=rf"forkserver \(pid {server}\) .* died "
+    with pytest.raises(forkserver.StartFailure, match=rf"forkserver \(pid {server}\) .* died "
                                                        "while it imported"):
         forkserver.context(["preload_takes_a_while"])
     assert not forkserver.is_running()

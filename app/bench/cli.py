@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--image-size", type=int, default=32)
     start.add_argument("-b", "--batch-size", type=int, default=16, help="per worker process")
     start.add_argument("--epochs", type=int, default=1)
+    start.add_argument("--device", default="cpu", help="every worker's: cpu, or cuda:0 (the "
+                       "workers share it; no --peer then)")
     start.add_argument("--workers", default="1,2,4", help="worker processes, comma-separated")
     start.add_argument("--sync", default="ps,allreduce", help="modes for 2+ workers")
     start.add_argument("-j", "--loaders", default="1,2", help="loader processes per worker")
@@ -320,8 +322,10 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.flags, args.victim, args.repeats)
     elif args.command == "start":
         from app.bench import start as bench  # noqa: PLC0415
+        if args.peer and args.device != "cpu":
+            build_parser().error("start: --peer runs on CPU processes only (gloo)")
         setup = bench.Setup(args.dataset, args.arch, args.image_size, args.batch_size,
-                            args.epochs)
+                            args.epochs, args.device)
         rows = bench.rows_for(numbers(args.workers), args.sync.split(","),
                               numbers(args.loaders), args.restart, args.peer)
         report = bench.run(setup, rows, args.repeats,

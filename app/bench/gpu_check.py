@@ -41,7 +41,8 @@ from app.bench import gpu_tests
 from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts, sized
 from app.bench.part_runner import format_report as format_parts
 from app.bench.part_summaries import (dali_lines, e2e_lines, model_lines, probe_lines,
-                                      run_figures, run_lines, sync_lines, threads_lines)
+                                      run_figures, run_lines, start_lines, sync_lines,
+                                      threads_lines)
 from app.bench.probe import check_requirements
 
 PYTHON = sys.executable
@@ -166,6 +167,12 @@ def parts(options: Options = Options()) -> list[Part]:
         Part("threads_per_gpu", "the same with a replica per GPU of the machine (skipped with "
              "one)", 90, lambda p: threads_bench(p, "threads_per_gpu", "all"),
              summary=threads_lines),
+        Part("start", "what starting a run costs here: 1 and 2 workers on one GPU (ps), 6 "
+             "loader processes each, and a restart after a killed worker", 120,
+             lambda p: bench("start", "--device", "cuda:0", "--workers", "1,2", "-j", "6",
+                             "--sync", "ps", "--restart", "--repeats", "1", "--json",
+                             str(p.report("start"))),
+             summary=start_lines),
     ]
 
 

@@ -133,3 +133,9 @@ def dali_lines(f: dict) -> list[str]:
 
 def mib(count: int | None) -> str:
     return "n/a" if count is None else f"{count / 2**20:,.0f} MiB"
+
+
+def start_lines(f: dict) -> list[str]:
+    """bin/bench.py start's rows: the machine's CPU seconds and the time to the first step."""
+    return [f"- {row['label']}: {row['median_cpu_s']:.1f} CPU-s, first step after "
+            f"{row['median_first_step_s']:.1f} s" for row in f.get("rows", [])]

@@ -36,6 +36,7 @@ class Setup:
     image_size: int = 32
     batch_size: int = 16  # per worker process
     epochs: int = 1
+    device: str = "cpu"  # every worker's (cuda:0: several workers share the one GPU)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def machine_cpu_seconds() -> float:
 
 
 def driver_flags(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
-    devices = ",".join(["cpu"] * row.workers)
+    devices = ",".join([setup.device] * row.workers)
     return ["--catalog", str(repo / "datasets.toml"), "--dataset", setup.dataset,
             "-a", setup.arch, "--image-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
@@ -109,7 +110,7 @@ def measure_restart(setup: Setup, row: Row, repo: Path) -> dict:
                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             started = wait_for(lambda: first_train_time(metrics), process)
-            victim = started_pids(process.stderr)["worker 1 (cpu)"]
+            victim = started_pids(process.stderr)[f"worker 1 ({setup.device})"]
             cpu, killed = machine_cpu_seconds(), time.time()
             os.kill(victim, signal.SIGKILL)
             again = wait_for(lambda: first_train_time(metrics, after=killed), process)

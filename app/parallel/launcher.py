@@ -129,7 +129,7 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
                cpu_workers)) for rank, device in enumerate(devices)]
     try:
         children = start_children(context, runs, reports, set(preload))
-    except forkserver.ServerFailure as failure:
+    except forkserver.StartFailure as failure:
         on_failure(str(failure))
         return 1
     log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
@@ -141,7 +141,7 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
 def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], reports: Queue,
                    preload: set[str]) -> list[Child]:
     """Each (name, target, args) in a process of its own, forked by the forkserver once it has
-    imported the targets' modules and `preload`; ServerFailure if the server died meanwhile
+    imported the targets' modules and `preload`; StartFailure if the server died meanwhile
     (the processes already started are stopped then)."""
     preload |= {forkserver.module_of(target) for _, target, _ in runs}
     forkserver.start(preload)
@@ -155,11 +155,14 @@ def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], report
         for child in children:
             try:
                 child.process.start()
-            except (OSError, EOFError):  # the server is gone: no answer to our request
+            except (OSError, EOFError) as error:  # no answer to our request, or a broken pipe
                 stop_all([c for c in children if c.process.pid is not None])
-                raise forkserver.ServerFailure(f"the forkserver (pid {server}) that starts this "
-                                               f"run's processes died while starting "
-                                               f"{child.name}") from None
+                if forkserver.is_running():
+                    raise forkserver.StartFailure(f"{child.name} ended before it had read what "
+                                                  f"it runs ({first_line(error)})") from None
+                raise forkserver.StartFailure(f"the forkserver (pid {server}) that starts this "
+                                              f"run's processes died while starting "
+                                              f"{child.name}") from None
     return children
 
 

@@ -47,8 +47,10 @@ _preloaded: frozenset[str] = frozenset()  # what the running server was asked to
 _served = False  # whether it has started a process yet (checked by a probe)
 
 
-class ServerFailure(RuntimeError):
-    """The forkserver died (killed while it imported, say): one line, like a process's death."""
+class StartFailure(RuntimeError):
+    """The run's processes could not be started: the forkserver died (killed while it
+    imported, say), or a process ended before it had read what it runs. One line, like a
+    process's death."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def start(preload: Iterable[str]) -> None:
     its imports: they run while the caller goes on. A server that lacks a module is started
     again with both sets (a notebook that trains another kind of model next). One that died
     after it had served (the run it served has failed, or ended) is started anew; one that
-    died before it ever served was killed while this run started: ServerFailure."""
+    died before it ever served was killed while this run started: StartFailure."""
     global _preloaded, _served
     wanted = frozenset(preload)
     pid = server_pid()
@@ -83,7 +85,7 @@ def start(preload: Iterable[str]) -> None:
             wanted |= _preloaded
             stop()
         elif not _served:
-            raise ServerFailure(f"the forkserver (pid {pid}) that starts this run's processes "
+            raise StartFailure(f"the forkserver (pid {pid}) that starts this run's processes "
                                 "died while it imported")
     _preloaded, _served = wanted, False
     forkserver.set_forkserver_preload([GUARD, *sorted(wanted - {GUARD})])
@@ -93,13 +95,13 @@ def start(preload: Iterable[str]) -> None:
 
 def context(preload: Iterable[str]) -> BaseContext:
     """The context to start the run's processes with: a server that has imported `preload`,
-    checked (UserError: a module could not be imported there; ServerFailure: it died)."""
+    checked (UserError: a module could not be imported there; StartFailure: it died)."""
     global _served
     preload = sorted(set(preload))
     start(preload)
     try:
         check_preloaded(preload)
-    except (UserError, ServerFailure):
+    except (UserError, StartFailure):
         stop()  # the next start begins afresh, without the module that failed
         raise
     _served = True
@@ -197,20 +199,20 @@ def check_preloaded(modules: list[str]) -> None:
     reader, writer = context.Pipe(duplex=False)
     probe = context.Process(target=report_missing, args=(modules, writer),
                             name="forkserver probe")
-    died = ServerFailure(f"the forkserver (pid {server_pid()}) that starts this run's "
+    died = StartFailure(f"the forkserver (pid {server_pid()}) that starts this run's "
                          f"processes died while it imported {', '.join(modules)}")
     try:
         with main_module_spawn_can_run(), no_silent_restart():
             probe.start()
         writer.close()
         if not reader.poll(PROBE_TIMEOUT_S):
-            raise ServerFailure(f"the forkserver did not answer within {PROBE_TIMEOUT_S:.0f} s")
+            raise StartFailure(f"the forkserver did not answer within {PROBE_TIMEOUT_S:.0f} s")
         missing = reader.recv()
-    except (EOFError, OSError, ServerFailure):
+    except (EOFError, OSError, StartFailure):
         if probe.pid is None or not is_running():
             raise died from None
         probe.join(timeout=PROBE_TIMEOUT_S)
-        raise ServerFailure(f"a process started by the forkserver ended as it started (exit "
+        raise StartFailure(f"a process started by the forkserver ended as it started (exit "
                             f"code {probe.exitcode}); its error is above") from None
     finally:
         writer.close()
@@ -233,7 +235,7 @@ def no_silent_restart() -> Iterator[None]:
 
     def ensure_alive() -> None:
         if not is_running():
-            raise ServerFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
+            raise StartFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
                                 "this run's processes died")
     server.ensure_running = ensure_alive  # the instance's: shadows the method meanwhile
     try:
