@@ -108,7 +108,7 @@ def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
     tests = [p.name for p in parts].index("gpu_tests")
     assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s == parts[tests].reserved_s
     assert [p.name for p in parts[tests + 1:]] == ["model", "model_steps", "sync_whole",
-                                                  "threads", "threads_per_gpu"]
+                                                  "threads", "threads_per_gpu", "start"]
     assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S
     for late_by in (0.0, STOP_S):
         left = gpu_check.BUDGET_S
