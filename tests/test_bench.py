@@ -171,3 +171,23 @@ def test_loader_bench_measures_each_decoder_plain_and_with_auto_augment(tmp_path
     assert "ta_wide" in result.stdout
     refused = bench("loader", "--dataset", "sample_tiny", "--auto-augment", "augmix")
     assert refused.returncode == 2 and "unknown augmix" in refused.stderr
+
+
+def test_start_bench_times_the_first_step_and_counts_every_process(tmp_path):
+    """One worker, the peer's recipe in one process, and a restart of two ps workers after a
+    killed worker: the first step comes after the command and before the run ends; the CPU is
+    the machine's, so the run's own processes count (their imports alone are seconds); the
+    restart is timed from the kill."""
+    report = tmp_path / "start.json"
+    result = bench("start", "-a", "resnet18", "--workers", "1", "-j", "1", "--sync", "ps",
+                   "--restart", "--peer", "--repeats", "1", "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    rows = {row["label"]: row for row in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {"ours 1 worker(s) -j 1", "peer 1 worker(s) -j 1",
+                         "restart 2 worker(s) ps -j 1"}
+    for label in ("ours 1 worker(s) -j 1", "peer 1 worker(s) -j 1"):
+        assert 0 < rows[label]["median_first_step_s"] < rows[label]["median_wall_s"]
+        assert rows[label]["median_cpu_s"] > 2
+    restart = rows["restart 2 worker(s) ps -j 1"]
+    assert 1 <= restart["median_first_step_s"] < 60  # its backoff is 1 s
+    assert "ours 1 worker(s) -j 1" in result.stdout  # the table, printed
