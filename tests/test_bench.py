@@ -1,5 +1,5 @@
 """bin/bench.py sub-commands that run anywhere: model-only throughput, compile costs, end to
-end, and what each DALI pipeline reserves (gpu-check's dali_memory part; the command itself is
+end, what starting a run costs, and what each DALI pipeline reserves (gpu-check's dali_memory part; the command itself is
 tests/test_gpu_check.py's)."""
 
 import dataclasses
