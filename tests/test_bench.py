@@ -191,3 +191,30 @@ def test_start_bench_times_the_first_step_and_counts_every_process(tmp_path):
     restart = rows["restart 2 worker(s) ps -j 1"]
     assert 1 <= restart["median_first_step_s"] < 60  # its backoff is 1 s
     assert "ours 1 worker(s) -j 1" in result.stdout  # the table, printed
+
+
+def test_peers_bench_runs_each_trainer_per_seed_on_the_same_folder(tmp_path, tiny_imagefolder):
+    """Ours (with the CPU recipe) and pytorch/examples' recipe on one imagefolder, seed 0 twice:
+    the runs interleave seed by seed, and each trainer repeats its own top-1 exactly, so the seed
+    reaches both (main.py's loader and weights are random without it); both learn (10 classes:
+    chance is 0.1). timm's train.py is not part of the package, so it is left out here."""
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(f'[datasets.folder]\nurl = "{tiny_imagefolder}"\nlayout = "imagefolder"\n')
+    report = tmp_path / "peers.json"
+    result = bench("peers", "--catalog", str(catalog), "--dataset", "folder", "--trainers",
+                   "ours,examples", "--seeds", "0,0", "--epochs", "2", "--image-size", "32",
+                   "-b", "16", "-j", "1", "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(report.read_text())["runs"]
+    assert [run["trainer"] for run in runs] == ["ours", "examples", "ours", "examples"]
+    for trainer in ("ours", "examples"):
+        first, second = (run["top1"] for run in runs if run["trainer"] == trainer)
+        assert first == second and 0.1 < first <= 1.0, (trainer, first, second)
+    summary = json.loads(report.read_text())["summary"]
+    assert summary["ours"]["wall_vs_first"] == 1.0 and summary["examples"]["seeds"] == 2
+    assert "examples" in result.stdout  # the table, printed
+
+
+def test_peers_bench_needs_timms_train_py_for_timm():
+    result = bench("peers", "--trainers", "ours,timm")
+    assert result.returncode == 2 and "--timm-train" in result.stderr

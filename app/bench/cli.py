@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.bench.gpu_check import BUDGET_S
+from app.bench.peers import TRAINERS
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
@@ -29,6 +30,8 @@ EXAMPLES = """examples:
   python3 bin/bench.py gpu-check --budget 600 --out gpu-check   # a GPU machine, proved
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
+  python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
+      --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
 """
 
 
@@ -183,9 +186,33 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--repeats", type=int, default=2)
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
+    add_peers(commands)
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
         sub.add_argument("--json", help="also write the report to this file")
     return parser
+
+
+def add_peers(commands: argparse._SubParsersAction) -> None:
+    peers = commands.add_parser("peers", help="the same training by ours, pytorch/examples' "
+                                "main.py recipe and timm's train.py on the same photos: final "
+                                "top-1 and wall time per seed, mean and spread")
+    peers.add_argument("--catalog", default="datasets.toml")
+    peers.add_argument("--dataset", default="imagenette_local", help="an imagefolder entry "
+                       "on local disk (the peers read its folders)")
+    peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
+    peers.add_argument("-a", "--arch", default="resnet18", help="a name torchvision and timm "
+                       "both know")
+    peers.add_argument("--image-size", type=int, default=64)
+    peers.add_argument("-b", "--batch-size", type=int, default=64)
+    peers.add_argument("--epochs", type=int, default=5)
+    peers.add_argument("-j", "--workers", type=int, default=2, help="loader processes, each")
+    peers.add_argument("--seeds", default="0,1")
+    peers.add_argument("--trainers", default=",".join(TRAINERS), help="the first is the "
+                       "baseline of the wall-time ratios")
+    peers.add_argument("--timm-train", default="", help="train.py of a pytorch-image-models "
+                       "checkout (git clone https://github.com/huggingface/pytorch-image-models)"
+                       "; needed for the timm trainer")
+    peers.add_argument("--json", help="also write the report to this file, after each run")
 
 
 def add_gpu_check(commands: argparse._SubParsersAction) -> None:
@@ -331,6 +358,18 @@ def main(argv: list[str]) -> int:
         report = bench.run(setup, rows, args.repeats,
                            Path(args.baseline_repo).resolve() if args.baseline_repo else None,
                            save)
+    elif args.command == "peers":
+        from app.bench import peers as bench  # noqa: PLC0415
+        trainers = [name for name in args.trainers.split(",") if name]
+        if not trainers or set(trainers) - set(bench.TRAINERS):
+            build_parser().error(f"--trainers: known: {', '.join(bench.TRAINERS)}")
+        if "timm" in trainers and not Path(args.timm_train).is_file():
+            build_parser().error("--timm-train: give train.py of a pytorch-image-models "
+                                 "checkout, or leave timm out of --trainers")
+        setup = bench.Setup(args.catalog, args.dataset, args.config, args.arch,
+                            args.image_size, args.batch_size, args.epochs, args.workers,
+                            str(Path(args.timm_train).resolve()) if args.timm_train else "")
+        report = bench.run(setup, trainers, numbers(args.seeds), save)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,

@@ -5,8 +5,9 @@ DistributedDataParallel, reads an ImageFolder through torchvision's transforms i
 processes (forked: the default on Linux), trains with SGD and a step schedule, validates, and
 rank 0 saves a checkpoint. Here the devices are CPU processes under gloo.
 
-Run as `python -m app.bench.peer_main DIR --world N ...`; rank 0 prints one JSON line with the
-wall-clock time of its first optimizer step. As main.py does, `-j` is the loader processes of
+Run as `python -m app.bench.peer_main DIR --world N ...`; rank 0 prints a JSON line with the
+wall-clock time of its first optimizer step, and one per epoch with its val top-1 (main.py's
+`acc1`, as a fraction; `bin/bench.py peers` compares it with ours and timm's). As main.py does, `-j` is the loader processes of
 the whole machine, shared out between the processes. The module imports what main.py imports at
 its top, so each spawned process pays what main.py's do.
 """
@@ -43,6 +44,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world", type=int, default=1, help="processes (main.py: GPUs)")
     parser.add_argument("--dist-url", default="tcp://127.0.0.1:23456")
     parser.add_argument("--out", default=".", help="where rank 0 saves its checkpoint")
+    parser.add_argument("--seed", type=int, default=None, help="main.py's --seed: seeds torch")
     return parser.parse_args(argv)
 
 
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def main_worker(rank: int, args: argparse.Namespace) -> None:
     distributed = args.world > 1
+    if args.seed is not None:
+        torch.manual_seed(args.seed)  # what main.py seeds (and random); cudnn is moot here
     if distributed:
         dist.init_process_group("gloo", init_method=args.dist_url, world_size=args.world,
                                 rank=rank)
@@ -89,7 +93,9 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
             train_sampler.set_epoch(epoch)
         train(train_loader, model, criterion, optimizer, first_epoch=epoch == 0,
               report=rank == 0)
-        validate(val_loader, model, criterion)
+        top1 = validate(val_loader, model, criterion, distributed)
+        if rank == 0:
+            print(json.dumps({"epoch": epoch + 1, "top1": top1}), flush=True)
         scheduler.step()
         if rank == 0:
             torch.save({"epoch": epoch + 1, "state_dict": model.state_dict(),
@@ -110,11 +116,18 @@ def train(loader, model, criterion, optimizer, first_epoch: bool, report: bool) 
             print(json.dumps({"first_step_time": time.time()}), flush=True)
 
 
-def validate(loader, model, criterion) -> None:
+def validate(loader, model, criterion, distributed: bool) -> float:
+    """Top-1 over the val set, as main.py's `acc1` (summed over processes when distributed)."""
     model.eval()
+    counts = torch.zeros(2)  # right, seen
     with torch.no_grad():
         for images, target in loader:
-            criterion(model(images), target)
+            output = model(images)
+            criterion(output, target)
+            counts += torch.tensor([(output.argmax(1) == target).sum().item(), len(target)])
+    if distributed:
+        dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
         wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
     if done.returncode:
         raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
-    first = json.loads(done.stdout.strip().splitlines()[-1])["first_step_time"]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    first = next(record["first_step_time"] for record in records if "first_step_time" in record)
     return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
 
 
