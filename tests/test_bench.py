@@ -203,13 +203,19 @@ def test_peers_bench_runs_each_trainer_per_seed_on_the_same_folder(tmp_path, tin
     report = tmp_path / "peers.json"
     result = bench("peers", "--catalog", str(catalog), "--dataset", "folder", "--trainers",
                    "ours,examples", "--seeds", "0,0", "--epochs", "2", "--image-size", "32",
-                   "-b", "16", "-j", "1", "--json", str(report))
+                   "-b", "16", "-j", "1", "--target", "0.15", "--json", str(report))
     assert result.returncode == 0, result.stderr
     runs = json.loads(report.read_text())["runs"]
     assert [run["trainer"] for run in runs] == ["ours", "examples", "ours", "examples"]
     for trainer in ("ours", "examples"):
         first, second = (run["top1"] for run in runs if run["trainer"] == trainer)
         assert first == second and 0.1 < first <= 1.0, (trainer, first, second)
+    for run in runs:  # the first epoch that reaches 0.15, within the run
+        reached = [top1 >= 0.15 for top1 in run["epoch_top1"]]
+        assert len(reached) == 2 and run["epoch_top1"][-1] == run["top1"]
+        assert (run["time_to_target_s"] is None) == (True not in reached)
+        if run["time_to_target_s"] is not None:
+            assert 0 < run["time_to_target_s"] <= run["wall_s"]
     summary = json.loads(report.read_text())["summary"]
     assert summary["ours"]["wall_vs_first"] == 1.0 and summary["examples"]["seeds"] == 2
     assert "examples" in result.stdout  # the table, printed

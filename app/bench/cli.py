@@ -201,7 +201,9 @@ def add_peers(commands: argparse._SubParsersAction) -> None:
                        "on local disk (the peers read its folders)")
     peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
     peers.add_argument("-a", "--arch", default="resnet18", help="a name torchvision and timm "
-                       "both know")
+                       "both know, or ours alone with --peer-arch")
+    peers.add_argument("--peer-arch", default="", help="the peers' model when ours is one "
+                       "torchvision lacks (e.g. -a resnet50d --peer-arch resnet50)")
     peers.add_argument("--image-size", type=int, default=64)
     peers.add_argument("-b", "--batch-size", type=int, default=64)
     peers.add_argument("--epochs", type=int, default=5)
@@ -212,6 +214,10 @@ def add_peers(commands: argparse._SubParsersAction) -> None:
     peers.add_argument("--timm-train", default="", help="train.py of a pytorch-image-models "
                        "checkout (git clone https://github.com/huggingface/pytorch-image-models)"
                        "; needed for the timm trainer")
+    peers.add_argument("--device", default="cpu", help="cpu, or cuda:0: each trainer on one "
+                       "GPU (timm's train.py with --amp --channels-last, as its README runs)")
+    peers.add_argument("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
+                       "leaderboard's 128 px 5 epochs): also the time each run takes to reach it")
     peers.add_argument("--json", help="also write the report to this file, after each run")
 
 
@@ -368,8 +374,9 @@ def main(argv: list[str]) -> int:
                                  "checkout, or leave timm out of --trainers")
         setup = bench.Setup(args.catalog, args.dataset, args.config, args.arch,
                             args.image_size, args.batch_size, args.epochs, args.workers,
-                            str(Path(args.timm_train).resolve()) if args.timm_train else "")
-        report = bench.run(setup, trainers, numbers(args.seeds), save)
+                            str(Path(args.timm_train).resolve()) if args.timm_train else "",
+                            args.device, args.peer_arch)
+        report = bench.run(setup, trainers, numbers(args.seeds), args.target, save)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,

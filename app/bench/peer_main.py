@@ -45,6 +45,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dist-url", default="tcp://127.0.0.1:23456")
     parser.add_argument("--out", default=".", help="where rank 0 saves its checkpoint")
     parser.add_argument("--seed", type=int, default=None, help="main.py's --seed: seeds torch")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one process: main.py's "
+                        "--gpu 0, cuDNN autotuning on, fp32)")
     return parser.parse_args(argv)
 
 
@@ -59,15 +61,18 @@ def main(argv: list[str] | None = None) -> None:
 def main_worker(rank: int, args: argparse.Namespace) -> None:
     distributed = args.world > 1
     if args.seed is not None:
-        torch.manual_seed(args.seed)  # what main.py seeds (and random); cudnn is moot here
+        # what main.py seeds; not its cudnn.deterministic, which would slow a GPU run
+        torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True  # main.py's
     if distributed:
         dist.init_process_group("gloo", init_method=args.dist_url, world_size=args.world,
                                 rank=rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
-    model = models.__dict__[args.arch]()
+    model = models.__dict__[args.arch]().to(device)
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
-    criterion = nn.CrossEntropyLoss()
+    criterion = nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
     batch = args.batch_size // args.world
@@ -85,17 +90,18 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
         if distributed else None
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=batch, shuffle=train_sampler is None, num_workers=workers,
-        sampler=train_sampler)
+        sampler=train_sampler, pin_memory=device.type == "cuda")
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, num_workers=workers,
-                                             sampler=val_sampler)
+                                             sampler=val_sampler, pin_memory=device.type == "cuda")
     for epoch in range(args.epochs):
         if train_sampler:
             train_sampler.set_epoch(epoch)
-        train(train_loader, model, criterion, optimizer, first_epoch=epoch == 0,
+        train(train_loader, model, criterion, optimizer, device, first_epoch=epoch == 0,
               report=rank == 0)
-        top1 = validate(val_loader, model, criterion, distributed)
+        top1 = validate(val_loader, model, criterion, device, distributed)
         if rank == 0:
-            print(json.dumps({"epoch": epoch + 1, "top1": top1}), flush=True)
+            print(json.dumps({"epoch": epoch + 1, "top1": top1, "time": time.time()}),
+                  flush=True)
         scheduler.step()
         if rank == 0:
             torch.save({"epoch": epoch + 1, "state_dict": model.state_dict(),
@@ -105,9 +111,11 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def train(loader, model, criterion, optimizer, first_epoch: bool, report: bool) -> None:
+def train(loader, model, criterion, optimizer, device, first_epoch: bool, report: bool) -> None:
     model.train()
     for step, (images, target) in enumerate(loader):
+        images = images.to(device, non_blocking=True)
+        target = target.to(device, non_blocking=True)
         loss = criterion(model(images), target)
         optimizer.zero_grad()
         loss.backward()
@@ -116,12 +124,14 @@ def train(loader, model, criterion, optimizer, first_epoch: bool, report: bool) 
             print(json.dumps({"first_step_time": time.time()}), flush=True)
 
 
-def validate(loader, model, criterion, distributed: bool) -> float:
+def validate(loader, model, criterion, device, distributed: bool) -> float:
     """Top-1 over the val set, as main.py's `acc1` (summed over processes when distributed)."""
     model.eval()
     counts = torch.zeros(2)  # right, seen
     with torch.no_grad():
         for images, target in loader:
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
             output = model(images)
             criterion(output, target)
             counts += torch.tensor([(output.argmax(1) == target).sum().item(), len(target)])

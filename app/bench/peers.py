@@ -11,6 +11,9 @@ trainer's own recipe, as its users run it. One run per seed and trainer, interle
 ours, examples, timm; then seed 1 ...) so that a change in the machine's load meets all three.
 Each run's final val top-1 and its wall time from the command to its exit (imports, loading and
 validation included), then per trainer the mean, the spread and the wall time's ratio to ours.
+With `--target` (a leaderboard's top-1), also the time from the command to the end of the first
+epoch whose val top-1 reaches it: ours and main.py's stamp each epoch; timm's summary.csv does
+not, so its time to the target is its whole run's when its last epoch reaches it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Setup:
     epochs: int
     workers: int  # loader processes
     timm_train: str = ""  # pytorch-image-models' train.py
+    device: str = "cpu"  # or cuda: one GPU each
+    peer_arch: str = ""  # the peers' model where ours is one torchvision lacks (resnet50d)
 
 
 def imagefolder_root(setup: Setup) -> Path:
@@ -59,26 +64,34 @@ def ours_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
             "--dataset", setup.dataset, "--config", setup.config, "-a", setup.arch,
             "--image-size", str(setup.image_size), "-b", str(setup.batch_size),
             "--epochs", str(setup.epochs), "-j", str(setup.workers), "--seed", str(seed),
-            "--output-dir", str(out), "--run-name", "peers", "-p", "50"]
+            "--device", setup.device, "--output-dir", str(out), "--run-name", "peers",
+            "-p", "50"]
 
 
 def examples_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
-    return [sys.executable, "-m", "app.bench.peer_main", str(root), "-a", setup.arch,
+    return [sys.executable, "-m", "app.bench.peer_main", str(root), "-a", peer_arch(setup),
             "--image-size", str(setup.image_size), "-b", str(setup.batch_size),
             "--epochs", str(setup.epochs), "-j", str(setup.workers), "--seed", str(seed),
-            "--out", str(out)]
+            "--device", "cuda" if setup.device.startswith("cuda") else "cpu", "--out", str(out)]
 
 
 def timm_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
     # train.py's defaults otherwise, but for its 5 warmup epochs: as long as a short run itself
     return [sys.executable, setup.timm_train, "--data-dir", str(root), "--train-split", "train",
-            "--val-split", "val", "--model", setup.arch, "--num-classes", str(classes(root)),
+            "--val-split", "val", "--model", peer_arch(setup), "--num-classes",
+            str(classes(root)),
             "--img-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs),
             "--warmup-epochs", str(min(5, max(1, setup.epochs // 5))),
-            "-j", str(setup.workers), "--seed", str(seed), "--device", "cpu",
-            "--no-prefetcher", "--output", str(out), "--experiment", "peers",
-            "--checkpoint-hist", "1", "--log-interval", "50"]
+            "-j", str(setup.workers), "--seed", str(seed), "--output", str(out),
+            "--experiment", "peers", "--checkpoint-hist", "1", "--log-interval", "50",
+            # on a GPU, what timm's README runs: its CUDA prefetcher, AMP, channels_last
+            *(("--device", "cuda", "--amp", "--channels-last") if setup.device.startswith("cuda")
+              else ("--device", "cpu", "--no-prefetcher"))]
+
+
+def peer_arch(setup: Setup) -> str:
+    return setup.peer_arch or setup.arch
 
 
 def classes(root: Path) -> int:
@@ -86,51 +99,66 @@ def classes(root: Path) -> int:
     return sum(1 for folder in (root / "train").iterdir() if folder.is_dir())
 
 
-def ours_top1(out: Path, stdout: str) -> float:
+# Each trainer's epochs: [(top-1, wall-clock time at the epoch's end or None)], in order.
+def ours_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
     records = [json.loads(line) for line in (out / "peers" / "metrics.jsonl").read_text()
                .splitlines() if '"val/top1"' in line]
-    return records[-1]["val/top1"]
+    return [(record["val/top1"], record["time"]) for record in records]
 
 
-def examples_top1(out: Path, stdout: str) -> float:
+def examples_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"epoch"')]
-    return records[-1]["top1"]
+    return [(record["top1"], record["time"]) for record in records]
 
 
-def timm_top1(out: Path, stdout: str) -> float:
+def timm_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
     with open(out / "peers" / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    return float(rows[-1]["eval_top1"]) / 100  # train.py writes percent
+    return [(float(row["eval_top1"]) / 100, None) for row in rows]  # train.py writes percent
 
 
 COMMANDS: dict[str, Callable[[Setup, int, Path, Path], list[str]]] = {
     "ours": ours_command, "examples": examples_command, "timm": timm_command}
-TOP1: dict[str, Callable[[Path, str], float]] = {
-    "ours": ours_top1, "examples": examples_top1, "timm": timm_top1}
+EPOCHS: dict[str, Callable[[Path, str], list[tuple[float, float | None]]]] = {
+    "ours": ours_epochs, "examples": examples_epochs, "timm": timm_epochs}
 
 
-def run_one(trainer: str, setup: Setup, seed: int, root: Path) -> dict:
+def time_to_target(epochs: list[tuple[float, float | None]], started: float, ended: float,
+                   target: float) -> float | None:
+    for number, (top1, stamp) in enumerate(epochs, 1):
+        if top1 >= target:
+            if stamp is None:  # no stamps: known only for the last epoch
+                return ended - started if number == len(epochs) else None
+            return stamp - started
+    return None
+
+
+def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"peers-{trainer}-") as folder:
         out = Path(folder)
         command = COMMANDS[trainer](setup, seed, out, root)
         started = time.time()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
-        wall = time.time() - started
+        ended = time.time()
         if done.returncode:
             raise RuntimeError(f"{trainer} (seed {seed}) failed with exit {done.returncode}: "
                                f"{done.stderr[-3000:]}")
-        return {"trainer": trainer, "seed": seed, "top1": TOP1[trainer](out, done.stdout),
-                "wall_s": wall}
+        epochs = EPOCHS[trainer](out, done.stdout)
+        return {"trainer": trainer, "seed": seed, "top1": epochs[-1][0],
+                "wall_s": ended - started, "epoch_top1": [top1 for top1, _ in epochs],
+                "time_to_target_s": time_to_target(epochs, started, ended, target)
+                if target else None}
 
 
-def run(setup: Setup, trainers: list[str], seeds: list[int],
+def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
         save: Callable[[dict], None]) -> dict:
     root = imagefolder_root(setup)
-    report: dict = {"setup": asdict(setup), "root": str(root), "runs": [], "summary": {}}
+    report: dict = {"setup": asdict(setup), "root": str(root), "target": target, "runs": [],
+                    "summary": {}}
     for seed in seeds:
         for trainer in trainers:
-            result = run_one(trainer, setup, seed, root)
+            result = run_one(trainer, setup, seed, root, target)
             print(f"{trainer:9s} seed {seed}: top-1 {result['top1']:.4f}  "
                   f"{result['wall_s']:.0f} s", flush=True)
             report["runs"].append(result)
@@ -148,7 +176,12 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
         top1 = [run["top1"] for run in mine]
         summary[trainer] = {"seeds": len(mine), "top1_mean": statistics.fmean(top1),
                             "top1_min": min(top1), "top1_max": max(top1),
-                            "wall_s_mean": statistics.fmean(run["wall_s"] for run in mine)}
+                            "wall_s_mean": statistics.fmean(run["wall_s"] for run in mine),
+                            "runs_at_target": sum(run["time_to_target_s"] is not None
+                                                  for run in mine),
+                            "time_to_target_s_mean": statistics.fmean(
+                                [run["time_to_target_s"] for run in mine
+                                 if run["time_to_target_s"] is not None] or [float("nan")])}
     base = summary.get(trainers[0])
     for row in summary.values():
         row["wall_vs_first"] = row["wall_s_mean"] / base["wall_s_mean"] if base else None
@@ -157,12 +190,16 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
 
 def format_report(report: dict) -> str:
     setup = report["setup"]
-    lines = [f"{setup['arch']}, {setup['image_size']} px, {setup['epochs']} epochs, batch "
+    models = setup["arch"] + (f" (peers: {setup['peer_arch']})" if setup.get("peer_arch") else "")
+    lines = [f"{models}, {setup['image_size']} px, {setup['epochs']} epochs, batch "
              f"{setup['batch_size']}, -j {setup['workers']}, {report['root']}",
              f"{'trainer':10s} {'seeds':>5s} {'top-1 mean':>10s} {'min-max':>15s} "
-             f"{'wall s':>8s} {'wall vs first':>14s}"]
+             f"{'wall s':>8s} {'wall vs first':>14s}"
+             + (f" {'at target':>9s} {'time to it':>10s}" if report["target"] else "")]
     for trainer, row in report["summary"].items():
         lines.append(f"{trainer:10s} {row['seeds']:5d} {row['top1_mean']:10.4f} "
                      f"{row['top1_min']:.4f}-{row['top1_max']:.4f} {row['wall_s_mean']:8.0f} "
-                     f"{row['wall_vs_first']:13.2f}x")
+                     f"{row['wall_vs_first']:13.2f}x"
+                     + (f" {row['runs_at_target']:9d} {row['time_to_target_s_mean']:9.0f}s"
+                        if report["target"] else ""))
     return "\n".join(lines)
