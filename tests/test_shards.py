@@ -3,6 +3,7 @@ Hugging Face lays them out, with tarfile and pyarrow), the windowed order, train
 locally and on the loopback S3 server with 2 workers in both sync modes, exact resume after
 SIGTERM with both decoders, bad samples and damaged shards."""
 
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from app.catalog.dataset import Dataset
 from app.catalog.shard_index import ShardError, index_tar
@@ -412,3 +414,35 @@ def check_parquet(path, by_path) -> list[str]:
         assert row["image"]["bytes"] == file.read_bytes() and row["label"] == label
         names.append(row["image"]["path"])
     return names
+
+
+def test_make_shards_shorter_side_shrinks_larger_images_and_keeps_the_rest(tiny_sample,
+                                                                          tmp_path):
+    """--shorter-side 40: every image whose shorter side was above 40 px comes out at 40 px,
+    in its own format, still decodable, with its aspect kept; smaller ones keep their bytes."""
+    catalog = write_catalog(tmp_path / "datasets.toml", {"tiny": {"url": str(tiny_sample)}})
+    out = tmp_path / "small"
+    assert make_shards(["--catalog", str(catalog), "--dataset", "tiny", "--format", "wds",
+                        str(out), "--shorter-side", "40"]) == 0
+    source = load_tables(DatasetRoot("tiny", str(tiny_sample)))
+    originals = {path: (tiny_sample / path).read_bytes()
+                 for frame in (source.train, source.val) for path in frame.path}
+    shrunk = kept = 0
+    for shard in out.glob("*.tar"):
+        with tarfile.open(shard) as tar:
+            for jpg, _, meta in zip(*(iter(tar.getmembers()),) * 3):
+                data = tar.extractfile(jpg).read()
+                original = originals[json.loads(tar.extractfile(meta).read())["path"]]
+                with Image.open(io.BytesIO(original)) as before, \
+                        Image.open(io.BytesIO(data)) as after:
+                    after.load()
+                    assert after.format == before.format
+                    if min(before.size) <= 40:
+                        assert data == original
+                        kept += 1
+                    else:
+                        assert min(after.size) == 40
+                        ratio = before.size[0] / before.size[1]
+                        assert abs(after.size[0] / after.size[1] - ratio) < 0.05
+                        shrunk += 1
+    assert shrunk > 0 and kept + shrunk == len(originals)
