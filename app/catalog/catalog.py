@@ -161,6 +161,8 @@ def _check_reader(where: str, entry: dict[str, Any]) -> None:
 def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     """fsspec options from the entry. Credentials are never here: s3fs follows the standard
     AWS chain (environment, shared config/profile, instance role)."""
+    if scheme_of(url) in ("http", "https"):
+        return _http_options()
     if not url.startswith(("s3://", "s3a://")):
         return {}
     concurrency = entry.get("concurrency", DEFAULT_CONCURRENCY)
@@ -184,6 +186,15 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     if entry.get("anon"):
         options["anon"] = True
     return options
+
+
+def _http_options() -> dict[str, Any]:
+    """aiohttp's defaults would end any request after 5 minutes in all (an archive's download
+    takes longer on a slow link) and ignore the proxy variables: here a stalled connection
+    fails within a minute, however long the download lasts, and HTTPS_PROXY is honoured."""
+    import aiohttp  # noqa: PLC0415 (only where a URL is http's)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+    return {"client_kwargs": {"timeout": timeout, "trust_env": True}}
 
 
 def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
