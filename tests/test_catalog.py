@@ -113,6 +113,14 @@ def test_s3_options_map_to_s3fs_and_carry_no_credentials():
     assert _storage_options("/data/imagenet", {"region": "eu-west-1"}) == {}
 
 
+def test_http_options_bound_a_stall_but_not_a_long_download_and_honour_the_proxy():
+    """aiohttp's default would end every request after 5 minutes in all: an archive of a few
+    hundred MB on a slow link takes longer."""
+    client = _storage_options("https://example.org/imagenette2-320.tgz", {})["client_kwargs"]
+    assert client["timeout"].total is None and client["timeout"].sock_read == 60
+    assert client["timeout"].sock_connect == 30 and client["trust_env"] is True
+
+
 def test_an_unreachable_root_whose_error_has_no_message(tmp_path, monkeypatch):
     """Clients raise errors with an empty message (a bare TimeoutError): still one line."""
     def time_out(self, relative=""):

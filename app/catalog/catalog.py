@@ -1,9 +1,11 @@
 """datasets.toml -> DatasetRoot: a named dataset opened as a root folder over an fsspec filesystem.
 
-Any fsspec URL works (a local path, file://, s3://, gs://, az://, memory://, ...). Entries either
-point at an existing ImageNet (`url`) or name a sample preset (`sample`) that is generated into a
-cache folder on first use; `layout` says how its labels are found (Kaggle's tables or one folder
-per class), `reader` who reads the images of an object store (obstore, or s3fs).
+Any fsspec URL works (a local path, file://, s3://, gs://, az://, memory://, https://, ...).
+Entries either point at an existing ImageNet (`url`), at an archive of one (a `url` ending in
+.tgz, .tar.gz, .tar or .zip, with its `sha256` or `md5`) that is downloaded and unpacked into a
+cache folder on first use, or name a sample preset (`sample`) that is generated there on first
+use; `layout` says how its labels are found (Kaggle's tables or one folder per class), `reader`
+who reads the images of an object store (obstore, or s3fs).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.catalog import sample
+from app.catalog import archive, sample
 from app.catalog.dataset import Dataset
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
-                                 SHARD_LAYOUTS, DatasetRoot, scheme_of)
+                                 SHARD_LAYOUTS, DatasetRoot, default_cache_dir, scheme_of)
 from app.config.tomlfile import read_toml
 from app.runtime.errors import UserError, first_line
 
@@ -28,6 +30,7 @@ ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {
     "region": str, "profile": str, "endpoint_url": str, "anon": bool,
     "cache_dir": str, "cache_max_gb": (int, float), "concurrency": int, "layout": str,
     "reader": str, "train_shards": str, "val_shards": str, "window": int,
+    "md5": str, "sha256": str,
 }
 # What to check when an object store cannot be reached, by store.
 CREDENTIAL_HINTS = {
@@ -71,8 +74,8 @@ class Catalog:
         return list(self.entries)
 
     def open(self, name: str = "", report: Callable[[str], None] | None = None) -> DatasetRoot:
-        """Resolve an entry to its root; the root must exist (sample entries are generated on
-        first use, which is told to `report`)."""
+        """Resolve an entry to its root; the root must exist (sample entries are generated and
+        archives downloaded and unpacked on first use, which is told to `report`)."""
         name = name or self.default
         if name not in self.entries:
             raise UserError(f"unknown dataset '{name}' in {self.path}; known: "
@@ -85,6 +88,8 @@ class Catalog:
             size = entry.get("image_size", sample.PRESETS[entry["sample"]].image_size)
             return DatasetRoot(name, str(folder), {}, size, layout=layout)
         url = self._url(name, entry)
+        if archive.is_archive(url):
+            return self._unpacked(name, entry, url, report)
         root = DatasetRoot(name, url, _storage_options(url, entry), entry.get("image_size", 0),
                            _reader_options(entry), entry.get("layout", "kaggle"),
                            _store_options(url, entry))
@@ -108,6 +113,15 @@ class Catalog:
         """An entry as an object whose tables the Python API trains on (app/catalog/dataset.py):
         opened as `open` opens it."""
         return Dataset(self.open(name, report=print))
+
+    def _unpacked(self, name: str, entry: dict[str, Any], url: str,
+                  report: Callable[[str], None] | None) -> DatasetRoot:
+        """An archive's dataset: the local folder it is unpacked into (app/catalog/archive.py)."""
+        where = f"[datasets.{name}] in {self.path}"
+        algorithm, digest = archive.checksum_of(where, entry)  # url_env may name the archive
+        source = archive.Archive(url, algorithm, digest, where, _storage_options(url, entry))
+        folder = archive.ensure(source, entry.get("cache_dir") or default_cache_dir(), report)
+        return DatasetRoot(name, str(folder), {}, entry.get("image_size", 0), layout="imagefolder")
 
     def _url(self, name: str, entry: dict[str, Any]) -> str:
         url = os.environ.get(entry.get("url_env", ""), "") or entry["url"]
@@ -138,6 +152,7 @@ def _check_entry(path: Path, name: str, entry: Any) -> None:
                         f"{', '.join(LAYOUTS)}")
     if "reader" in entry:
         _check_reader(where, entry)
+    archive.check_entry(where, entry)
     if entry.get("window", 1) < 1:
         raise UserError(f"{where}: window = {entry['window']}: a window holds at least one "
                         "shard; use 1 or more")
@@ -161,6 +176,8 @@ def _check_reader(where: str, entry: dict[str, Any]) -> None:
 def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     """fsspec options from the entry. Credentials are never here: s3fs follows the standard
     AWS chain (environment, shared config/profile, instance role)."""
+    if scheme_of(url) in ("http", "https"):
+        return _http_options()
     if not url.startswith(("s3://", "s3a://")):
         return {}
     concurrency = entry.get("concurrency", DEFAULT_CONCURRENCY)
@@ -184,6 +201,15 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     if entry.get("anon"):
         options["anon"] = True
     return options
+
+
+def _http_options() -> dict[str, Any]:
+    """aiohttp's defaults would end any request after 5 minutes in all (an archive's download
+    takes longer on a slow link) and ignore the proxy variables: here a stalled connection
+    fails within a minute, however long the download lasts, and HTTPS_PROXY is honoured."""
+    import aiohttp  # noqa: PLC0415 (only where a URL is http's)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+    return {"client_kwargs": {"timeout": timeout, "trust_env": True}}
 
 
 def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:

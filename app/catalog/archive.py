@@ -1,0 +1,240 @@
+"""A dataset that arrives as one archive (.tgz, .tar.gz, .tar or .zip) at any URL the catalog
+reads (https://, s3://, a local path, ...): downloaded (app/catalog/download.py: continued
+where a download was cut), verified against its checksum and unpacked into the dataset cache by
+the first run that asks for it; later runs open the unpacked folder and make no request.
+
+The cache (the entry's `cache_dir`, else IMAGENET_DP_CACHE or ~/.cache/imagenet-dp):
+
+    archives/imagenette2-320-3df6f0d0/          the dataset: train/<wnid>/, val/<wnid>/, ...
+    archives/imagenette2-320-3df6f0d0.lock      flock of the process that fetches it
+    archives/imagenette2-320-3df6f0d0.tgz.part  the download while it runs, or where it was cut
+    archives/.imagenette2-320-3df6f0d0-*/       the unpack while it runs
+
+The folder is named by the archive's file name and the first 8 hex digits of its checksum, so
+two entries share it only when they name the same bytes. It appears by one rename once the
+archive is verified, unpacked and holds the ImageFolder layout (at its root or under its one top
+folder): a folder that exists is whole. The downloaded archive is removed after unpacking.
+
+Several processes asking at once (the ranks of a run, two runs) download it once: the first
+takes the lock, the others wait for it, at most LOCK_WAIT_S, and then find the folder made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import re
+import shutil
+import tarfile
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+from filelock import FileLock, Timeout
+
+from app.catalog.download import DISK_FULL, Report, download, no_room, say
+from app.catalog.imagefolder import TRAIN_FOLDER, VAL_FOLDER
+from app.runtime.errors import UserError, first_line
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+CHECKSUMS = {"sha256": 64, "md5": 32}  # the entry keys, with their lengths in hex digits
+# A waiting process trusts the holder's liveness to the kernel (a dead holder's flock is freed
+# at once) and a stalled download fails within the http client's 60 s read timeout, so this
+# bound only ends a wait on a holder hung elsewhere; it outlasts a 330 MB download at 200 KB/s.
+LOCK_WAIT_S = 1800.0
+IGNORED_AT_TOP = ("__MACOSX",)  # zips made on macOS carry it beside their top folder
+
+
+def is_archive(url: str) -> bool:
+    return urlsplit(url).path.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def check_entry(where: str, entry: dict[str, Any]) -> None:
+    """At catalog load: an archive entry names one checksum and the ImageFolder layout; a
+    checksum belongs to an archive."""
+    if is_archive(entry.get("url", "")):
+        checksum_of(where, entry)
+        if entry.get("layout", "kaggle") != "imagefolder":
+            raise UserError(f"{where}: an archive is unpacked and read in the ImageFolder "
+                            "layout (train/<wnid>/, val/<wnid>/); set layout = \"imagefolder\"")
+        return
+    for key in CHECKSUMS:
+        if key in entry:
+            raise UserError(f"{where}: `{key}` verifies a downloaded archive, but `url` names "
+                            f"none ({', '.join(ARCHIVE_SUFFIXES)}); remove `{key}`")
+
+
+def checksum_of(where: str, entry: dict[str, Any]) -> tuple[str, str]:
+    """(algorithm, hex digest) of an archive entry."""
+    given = [key for key in CHECKSUMS if key in entry]
+    if not given:
+        raise UserError(f"{where}: `url` names an archive; add its checksum, sha256 = \"...\" "
+                        "(sha256sum FILE prints it) or md5 = \"...\", so that the download "
+                        "is verified")
+    if len(given) > 1:
+        raise UserError(f"{where}: give one checksum, `sha256` or `md5`, not both")
+    key = given[0]
+    digest = entry[key].strip().lower()
+    if not re.fullmatch(f"[0-9a-f]{{{CHECKSUMS[key]}}}", digest):
+        raise UserError(f"{where}: `{key}` must be {CHECKSUMS[key]} hexadecimal digits, got "
+                        f"'{entry[key][:80]}'")
+    return key, digest
+
+
+@dataclass(frozen=True)
+class Archive:
+    """An archive entry: where its bytes are, what they hash to, and where the user edits it."""
+    url: str
+    algorithm: str  # "sha256" or "md5"
+    digest: str
+    where: str  # "[datasets.NAME] in PATH": where the user edits the entry
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def file_name(self) -> str:
+        return posixpath.basename(urlsplit(self.url).path)
+
+    @property
+    def suffix(self) -> str:
+        return next(s for s in ARCHIVE_SUFFIXES if self.file_name.lower().endswith(s))
+
+    @property
+    def folder_name(self) -> str:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", self.file_name[:-len(self.suffix)])
+        return f"{stem}-{self.digest[:8]}"
+
+
+def cache_folder(archive: Archive, cache_dir: str | Path) -> Path:
+    """Where the archive's dataset is (or will be) unpacked."""
+    return Path(cache_dir).expanduser() / "archives" / archive.folder_name
+
+
+def ensure(archive: Archive, cache_dir: str | Path, report: Report = None) -> Path:
+    """The unpacked dataset's folder, fetched first if no run has yet (told to `report`)."""
+    target = cache_folder(archive, cache_dir)
+    if target.is_dir():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create the archive cache folder {target.parent} "
+                        f"({error.strerror}); set IMAGENET_DP_CACHE or `cache_dir` of "
+                        f"{archive.where} to a writable folder") from None
+    with fetch_lock(archive, target, report):
+        if not target.is_dir():  # unless the process that held the lock before made it
+            fetch(archive, target, report)
+    return target
+
+
+@contextlib.contextmanager
+def fetch_lock(archive: Archive, target: Path, report: Report) -> Iterator[None]:
+    """One process of the machine fetches the archive, whatever run it belongs to; the others
+    wait (saying so once), then find the folder made."""
+    lock = FileLock(f"{target}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(report, f"waiting for another process that downloads {archive.url} into {target} "
+                     f"(at most {_duration(LOCK_WAIT_S)})")
+        try:
+            lock.acquire(timeout=LOCK_WAIT_S)
+        except Timeout:
+            raise UserError(f"waited {_duration(LOCK_WAIT_S)} for another process to "
+                            f"download {archive.url} into {target}; stop it if it hangs (the "
+                            f"process that holds {lock.lock_file}), then run again") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def fetch(archive: Archive, target: Path, report: Report) -> None:
+    """Under the lock: download (or continue), verify, unpack into a staging folder, check the
+    layout, rename into place. Staging folders found here are those of killed holders."""
+    for stale in target.parent.glob(f".{target.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    part = target.with_name(target.name + archive.suffix + ".part")
+    digest = download(archive.url, archive.storage_options, part, archive.algorithm,
+                      archive.where, report)
+    if digest != archive.digest:
+        part.unlink()
+        raise UserError(f"{archive.url} has {archive.algorithm} {digest}, but the catalog "
+                        f"expects {archive.digest}; removed the download (the next run "
+                        "downloads it again); if the archive changed at its source, update "
+                        f"`{archive.algorithm}` of {archive.where}")
+    say(report, f"unpacking {archive.file_name} into {target}")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        unpack(archive, part, staging)
+        os.rename(dataset_folder(archive, staging), target)
+    except UserError:  # these bytes will never unpack here: nothing is kept for a next run
+        part.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    part.unlink()
+
+
+def unpack(archive: Archive, file: Path, staging: Path) -> None:
+    try:
+        if archive.suffix == ".zip":
+            with zipfile.ZipFile(file) as zipped:
+                zipped.extractall(staging)  # zipfile drops '..' and leading '/' from names
+        else:
+            with tarfile.open(file) as tar:
+                # "data": no member (or link target) lands outside `staging`, no devices
+                tar.extractall(staging, filter="data")
+    except tarfile.FilterError as error:
+        raise UserError(f"archive {archive.url} holds a member that would land outside its "
+                        f"folder ({first_line(error, 120)}); it is not unpacked") from None
+    except OSError as error:
+        if error.errno in DISK_FULL:
+            raise no_room(archive.url, staging.parent, error, archive.where,
+                          file.stat().st_size, unpacked_size(archive, file)) from None
+        raise unreadable(archive, error) from None
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as error:
+        raise unreadable(archive, error) from None
+
+
+def unpacked_size(archive: Archive, file: Path) -> int:
+    if archive.suffix == ".zip":
+        with zipfile.ZipFile(file) as zipped:
+            return sum(info.file_size for info in zipped.infolist())
+    with tarfile.open(file) as tar:
+        return sum(member.size for member in tar)
+
+
+def dataset_folder(archive: Archive, unpacked: Path) -> Path:
+    """The folder that holds train/ and val/ with class folders: the archive's root, or its one
+    top folder (as fast.ai's imagenette2-320/)."""
+    top = sorted(p for p in unpacked.iterdir()
+                 if not p.name.startswith(".") and p.name not in IGNORED_AT_TOP)
+    candidates = [unpacked] + (top if len(top) == 1 and top[0].is_dir() else [])
+    for folder in candidates:
+        if all(_has_class_folders(folder / split) for split in (TRAIN_FOLDER, VAL_FOLDER)):
+            return folder
+    held = ", ".join(p.name + ("/" if p.is_dir() else "") for p in top[:6]) or "nothing"
+    more = f" and {len(top) - 6} more" if len(top) > 6 else ""
+    raise UserError(f"archive {archive.url} holds {held}{more} at its top, not {TRAIN_FOLDER}/ "
+                    f"and {VAL_FOLDER}/ with class folders (at its root or under one top "
+                    f"folder); point `url` of {archive.where} at an archive in the ImageFolder "
+                    "layout")
+
+
+def _has_class_folders(folder: Path) -> bool:
+    return folder.is_dir() and any(p.is_dir() for p in folder.iterdir())
+
+
+def unreadable(archive: Archive, error: BaseException) -> UserError:
+    return UserError(f"{archive.url} is not a readable {archive.suffix} archive "
+                     f"({first_line(error, 120, True)}), though its checksum is the catalog's; "
+                     f"check `url` and the checksum of {archive.where}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
