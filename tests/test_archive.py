@@ -22,6 +22,7 @@ from matplotlib import cbook
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
+import app
 from app.catalog import Catalog, archive
 from app.catalog.tables import load_tables
 from app.runtime.errors import UserError
@@ -410,3 +411,17 @@ def test_the_driver_trains_on_an_archive_and_fails_in_one_line_without_it(
     assert f"unpacking driver.tgz into {folder}" in trained.stderr
     assert "3 classes, 12 train / 6 val images" in trained.stderr  # the archive's photos
     assert len(epoch_records(tmp_path / "runs" / "net")) == 1
+
+
+def test_the_python_face_opens_an_archive_entry_as_the_driver_does(server, photos, tmp_path):
+    """app.open_catalog(...).dataset(NAME): the same download on first use, then the splits of
+    what it unpacked, class by class."""
+    checksums = served_archive(server, "face.tgz", photos, top="face")
+    catalog = catalog_of(tmp_path, server.url("face.tgz"), md5=checksums["md5"])
+    data = app.open_catalog(catalog.path).dataset("net")
+    train, val = data.split("train"), data.split("val")
+    expected = {split: sorted(name for name in photos if name.startswith(f"{split}/"))
+                for split in ("train", "val")}
+    assert sorted(train.frame.path) == expected["train"]
+    assert sorted(val.frame.path) == expected["val"]
+    assert train.num_classes == len({name.split("/")[1] for name in photos})
