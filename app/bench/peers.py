@@ -188,6 +188,11 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
     return summary
 
 
+def reached(row: dict) -> str:
+    """The mean time to the target of the runs that reached it, or "-" where none did."""
+    return f"{row['time_to_target_s_mean']:.0f}s" if row["runs_at_target"] else "-"
+
+
 def format_report(report: dict) -> str:
     setup = report["setup"]
     models = setup["arch"] + (f" (peers: {setup['peer_arch']})" if setup.get("peer_arch") else "")
@@ -200,6 +205,6 @@ def format_report(report: dict) -> str:
         lines.append(f"{trainer:10s} {row['seeds']:5d} {row['top1_mean']:10.4f} "
                      f"{row['top1_min']:.4f}-{row['top1_max']:.4f} {row['wall_s_mean']:8.0f} "
                      f"{row['wall_vs_first']:13.2f}x"
-                     + (f" {row['runs_at_target']:9d} {row['time_to_target_s_mean']:9.0f}s"
+                     + (f" {row['runs_at_target']:9d} {reached(row):>10s}"
                         if report["target"] else ""))
     return "\n".join(lines)
