@@ -7,12 +7,11 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
-from app.bench.gpu_check import BUDGET_S
-from app.bench.peers import TRAINERS
+from app.bench.gpu_check_cli import add_gpu_check
+from app.bench.peers_cli import add_peers, peers_run
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
@@ -192,68 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_peers(commands: argparse._SubParsersAction) -> None:
-    peers = commands.add_parser("peers", help="the same training by ours, pytorch/examples' "
-                                "main.py recipe and timm's train.py on the same photos: final "
-                                "top-1 and wall time per seed, mean and spread")
-    peers.add_argument("--catalog", default="datasets.toml")
-    peers.add_argument("--dataset", default="imagenette_local", help="an imagefolder entry "
-                       "on local disk (the peers read its folders)")
-    peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
-    peers.add_argument("-a", "--arch", default="resnet18", help="a name torchvision and timm "
-                       "both know, or ours alone with --peer-arch")
-    peers.add_argument("--peer-arch", default="", help="the peers' model when ours is one "
-                       "torchvision lacks (e.g. -a resnet50d --peer-arch resnet50)")
-    peers.add_argument("--image-size", type=int, default=64)
-    peers.add_argument("-b", "--batch-size", type=int, default=64)
-    peers.add_argument("--epochs", type=int, default=5)
-    peers.add_argument("-j", "--workers", type=int, default=2, help="loader processes, each")
-    peers.add_argument("--seeds", default="0,1")
-    peers.add_argument("--trainers", default=",".join(TRAINERS), help="the first is the "
-                       "baseline of the wall-time ratios")
-    peers.add_argument("--timm-train", default="", help="train.py of a pytorch-image-models "
-                       "checkout (git clone https://github.com/huggingface/pytorch-image-models)"
-                       "; needed for the timm trainer")
-    peers.add_argument("--device", default="cpu", help="cpu, or cuda:0: each trainer on one "
-                       "GPU (timm's train.py with --amp --channels-last, as its README runs)")
-    peers.add_argument("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
-                       "leaderboard's 128 px 5 epochs): also the time each run takes to reach it")
-    peers.add_argument("--json", help="also write the report to this file, after each run")
-
-
-def add_gpu_check(commands: argparse._SubParsersAction) -> None:
-    check = commands.add_parser(
-        "gpu-check", help="prove a GPU machine end to end within a time budget (a new GPU box, "
-        "a cloud image, a driver upgrade): what it is, --gpus-style runs, end to end per "
-        "decoder, sync overlap, DALI's memory, the gpu tests, then the extras; parts in their "
-        "order of value, each with its own deadline, each report written the moment it ends")
-    check.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the "
-                       f"parts (default {BUDGET_S:.0f}: a quick check of a new machine; a "
-                       "larger budget gives the gpu tests more time, then the extras)")
-    check.add_argument("--out", default="gpu-check", help="the report folder: <part>.json, "
-                       "<part>.log, summary.md (small files only)")
-    check.add_argument("--work", default=str(Path(tempfile.gettempdir()) /
-                                             "imagenet-dp-gpu-check"),
-                       help="compile caches, the generated sample and run folders (kept out of "
-                       "--out)")
-    check.add_argument("--archive", help="also pack the report folder into this .tar.gz after "
-                       "each part")
-    check.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "
-                       "gpu-check --list names them)")
-    check.add_argument("--list", action="store_true", help="name the parts and their "
-                       "deadlines in this budget, run nothing")
-    check.add_argument("-n", "--test-processes", type=int, default=4, help="gpu test "
-                       "processes sharing the GPU (needs pytest-xdist; 1 = one after the other)")
-    check.add_argument("-k", "--select", default="", help="only the gpu tests matching this "
-                       "pytest -k expression")
-    check.add_argument("--dali-threads", type=int, default=8, help="decoding threads (-j) of "
-                       "the DALI pipelines whose memory is measured")
-    check.add_argument("--dali-batch", type=int, default=256, help="their batch size")
-    check.add_argument("--dali-sample", default="tiny", choices=("tiny", "bench"),
-                       help="the generated sample they read (bench: ImageNet-sized images; "
-                       "the first batch's memory depends on it, the build's does not)")
-
-
 def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
     """One row per optimizer, and one more per optimizer with clipping when asked for."""
     optimizers = [OptimConfig(optimizer=name) for name in names.split(",") if name]
@@ -366,17 +303,7 @@ def main(argv: list[str]) -> int:
                            save)
     elif args.command == "peers":
         from app.bench import peers as bench  # noqa: PLC0415
-        trainers = [name for name in args.trainers.split(",") if name]
-        if not trainers or set(trainers) - set(bench.TRAINERS):
-            build_parser().error(f"--trainers: known: {', '.join(bench.TRAINERS)}")
-        if "timm" in trainers and not Path(args.timm_train).is_file():
-            build_parser().error("--timm-train: give train.py of a pytorch-image-models "
-                                 "checkout, or leave timm out of --trainers")
-        setup = bench.Setup(args.catalog, args.dataset, args.config, args.arch,
-                            args.image_size, args.batch_size, args.epochs, args.workers,
-                            str(Path(args.timm_train).resolve()) if args.timm_train else "",
-                            args.device, args.peer_arch)
-        report = bench.run(setup, trainers, numbers(args.seeds), args.target, save)
+        report = bench.run(*peers_run(args, build_parser().error), save)
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,

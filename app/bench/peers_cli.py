@@ -1,0 +1,54 @@
+"""`bin/bench.py peers`: its flags, and the run they ask for (app/bench/peers.py measures it)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from app.bench.peers import TRAINERS, Setup
+
+
+def add_peers(commands: argparse._SubParsersAction) -> None:
+    peers = commands.add_parser("peers", help="the same training by ours, pytorch/examples' "
+                                "main.py recipe and timm's train.py on the same photos: final "
+                                "top-1 and wall time per seed, mean and spread")
+    peers.add_argument("--catalog", default="datasets.toml")
+    peers.add_argument("--dataset", default="imagenette_local", help="an imagefolder entry "
+                       "on local disk (the peers read its folders)")
+    peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
+    peers.add_argument("-a", "--arch", default="resnet18", help="a name torchvision and timm "
+                       "both know, or ours alone with --peer-arch")
+    peers.add_argument("--peer-arch", default="", help="the peers' model when ours is one "
+                       "torchvision lacks (e.g. -a resnet50d --peer-arch resnet50)")
+    peers.add_argument("--image-size", type=int, default=64)
+    peers.add_argument("-b", "--batch-size", type=int, default=64)
+    peers.add_argument("--epochs", type=int, default=5)
+    peers.add_argument("-j", "--workers", type=int, default=2, help="loader processes, each")
+    peers.add_argument("--seeds", default="0,1")
+    peers.add_argument("--trainers", default=",".join(TRAINERS), help="the first is the "
+                       "baseline of the wall-time ratios")
+    peers.add_argument("--timm-train", default="", help="train.py of a pytorch-image-models "
+                       "checkout (git clone https://github.com/huggingface/pytorch-image-models)"
+                       "; needed for the timm trainer")
+    peers.add_argument("--device", default="cpu", help="cpu, or cuda:0: each trainer on one "
+                       "GPU (timm's train.py with --amp --channels-last, as its README runs)")
+    peers.add_argument("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
+                       "leaderboard's 128 px 5 epochs): also the time each run takes to reach it")
+    peers.add_argument("--json", help="also write the report to this file, after each run")
+
+
+def peers_run(args: argparse.Namespace, error: Callable[[str], None]
+              ) -> tuple[Setup, list[str], list[int], float]:
+    """(setup, trainers, seeds, target) from the flags; `error` (the parser's) for a mistake."""
+    trainers = [name for name in args.trainers.split(",") if name]
+    if not trainers or set(trainers) - set(TRAINERS):
+        error(f"--trainers: known: {', '.join(TRAINERS)}")
+    if "timm" in trainers and not Path(args.timm_train).is_file():
+        error("--timm-train: give train.py of a pytorch-image-models checkout, or leave timm "
+              "out of --trainers")
+    setup = Setup(args.catalog, args.dataset, args.config, args.arch, args.image_size,
+                  args.batch_size, args.epochs, args.workers,
+                  str(Path(args.timm_train).resolve()) if args.timm_train else "", args.device,
+                  args.peer_arch)
+    return setup, trainers, [int(seed) for seed in args.seeds.split(",") if seed], args.target
