@@ -22,7 +22,8 @@ The verbs:
                      parallel="threads" | "processes", config="configs/x.toml", **knobs)
     train(setup, loss, val, schedule, logger, resume) -> pandas DataFrame, one row per epoch
     logging_to(logger)          a `with` block: every train inside logs to `logger`
-    loggers                     Console(), Notebook(), Jsonl(path), Wandb(project=..., ...)
+    loggers                     Console(), Notebook(), Jsonl(path), TensorBoard(),
+                                Wandb(project=..., ...)
 
 Replicas are threads of this process by default (one per device; nothing is pickled, so a
 model or loss defined in a notebook trains), or the driver's worker processes. Mistakes raise

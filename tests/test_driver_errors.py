@@ -86,12 +86,13 @@ def test_bad_config_key(capsys, tmp_path):
 
 def test_unknown_logger_is_rejected_before_training(capsys):
     message = fail(capsys, "--catalog", str(REPO / "datasets.toml"), "--logger", "console,tb")
-    assert "flag --loggers: logging.loggers: must be one of console, wandb, got 'tb'" in message
+    assert ("flag --loggers: logging.loggers: must be one of console, tensorboard, wandb, got "
+            "'tb'") in message
 
 
 def test_jsonl_is_not_a_choice_because_it_is_always_written(capsys):
     message = fail(capsys, "--catalog", str(REPO / "datasets.toml"), "--logger", "jsonl")
-    assert "must be one of console, wandb, got 'jsonl'" in message
+    assert "must be one of console, tensorboard, wandb, got 'jsonl'" in message
 
 
 def test_wandb_without_credentials_online_says_what_to_do(tmp_path, tiny_sample, catalog_for):

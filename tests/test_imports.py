@@ -14,8 +14,9 @@ from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 
 # Seconds each, and never needed by the driver of a CPU run (torch: the workers'; the others:
 # their features' own processes)
-HEAVY = {"torch", "torchvision", "timm", "wandb", "matplotlib", "onnx", "onnxruntime", "nvidia",
-         "s3fs", "obstore", "boto3", "botocore", "huggingface_hub", "sympy", "triton"}
+HEAVY = {"torch", "torchvision", "timm", "wandb", "tensorboard", "matplotlib", "onnx",
+         "onnxruntime", "nvidia", "s3fs", "obstore", "boto3", "botocore", "huggingface_hub",
+         "sympy", "triton"}
 NOT_IN_TRAINING = {"onnx", "onnxruntime", "nvidia", "s3fs", "obstore", "boto3", "botocore"}
 
 
@@ -58,6 +59,14 @@ def test_only_the_primary_worker_imports_the_plotting_library_for_its_curves(imp
     ended = imports["worker:end"]
     assert sum("matplotlib" in packages for packages in ended) == 1
     assert all(packages & NOT_IN_TRAINING == set() for packages in ended)
+
+
+def test_no_process_imports_tensorboard_when_the_run_does_not_log_to_it(imports):
+    """Its logger imports it, in the primary only (tests/test_tensorboard.py: a run that asks).
+    wandb cannot be held to the same: timm imports it wherever it is installed
+    (timm/utils/summary.py), so every process that imports timm has it."""
+    everyone = [packages for sets in imports.values() for packages in sets]
+    assert len(everyone) > 10 and all("tensorboard" not in packages for packages in everyone)
 
 
 def test_loader_processes_import_nothing_beyond_their_worker(imports):

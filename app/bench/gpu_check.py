@@ -18,7 +18,7 @@ them left unused.
 
 It needs only an interpreter with the training dependencies and pytest (app/bench/probe.py
 names them): no `make setup`, no network, whatever versions the machine has. Tests and parts
-that need packages it lacks (wandb, moto, obstore, DALI) skip themselves or say so.
+that need packages it lacks (wandb, tensorboard, moto, obstore, DALI) skip themselves or say so.
 
 What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes (4,800
 images) with a checksum comparison after every step; the end-to-end runs measure the peer and

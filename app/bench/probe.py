@@ -23,7 +23,7 @@ from app.runtime.errors import UserError
 # skip themselves where they are missing
 REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",
             "pytest")
-OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "wandb")
+OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "tensorboard", "wandb")
 
 
 def check_requirements() -> None:

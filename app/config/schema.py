@@ -299,8 +299,9 @@ class RunConfig:
 class LoggingConfig:
     # metrics.jsonl and curves.png are part of every run's outputs, not a choice.
     loggers: list[str] = param(
-        ["console"], "comma-separated loggers: console, wandb (metrics.jsonl and curves.png are "
-        "always written)", "--logger", choices=("console", "wandb"))  # app/loggers LOGGERS
+        ["console"], "comma-separated loggers: console, tensorboard, wandb (metrics.jsonl and "
+        "curves.png are always written)", "--logger",
+        choices=("console", "tensorboard", "wandb"))  # app/loggers LOGGERS
     # Empty wandb settings defer to wandb's own environment variables (WANDB_PROJECT, ...).
     wandb_project: str = param("", "wandb project (default: $WANDB_PROJECT, else imagenet-dp)")
     wandb_entity: str = param("", "wandb entity, a user or team (default: $WANDB_ENTITY)")

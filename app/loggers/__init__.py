@@ -7,9 +7,9 @@ epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `t
 Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol,
 the fan-out and RunInfo (what a logger is told about its run) live in app/loggers/base.py.
 
-For the Python API, loggers are also objects (objects.py: Console, Notebook, Jsonl, Wandb,
-`logging_to`), started in the caller's thread, where the primary replica's records are relayed
-(relay.py); `history` turns a run's metrics.jsonl into its table of epochs.
+For the Python API, loggers are also objects (objects.py: Console, Notebook, Jsonl,
+TensorBoard, Wandb, `logging_to`), started in the caller's thread, where the primary replica's
+records are relayed (relay.py); `history` turns a run's metrics.jsonl into its table of epochs.
 
 Imports only app.runtime and app.config: the loggers receive names and numbers, never the job.
 """
@@ -19,25 +19,17 @@ from __future__ import annotations
 from typing import Callable
 
 from app.loggers.base import Logger, Loggers, NullLogger, RunInfo
-from app.loggers.objects import Console, Jsonl, Notebook, Wandb, logging_to
+from app.loggers.objects import Console, Jsonl, Notebook, TensorBoard, Wandb, logging_to
 
 __all__ = ["LOGGERS", "Console", "Jsonl", "Logger", "Loggers", "Notebook", "NullLogger",
-           "RunInfo", "Wandb", "build_loggers", "logging_to", "run_outputs"]
+           "RunInfo", "TensorBoard", "Wandb", "build_loggers", "logging_to", "run_outputs"]
 
 
-def _console(run: RunInfo) -> Logger:
-    from app.loggers.console import ConsoleLogger  # noqa: PLC0415
-    return ConsoleLogger(run.epochs)
-
-
-def _wandb(run: RunInfo) -> Logger:
-    from app.loggers.wandb_logger import WandbLogger  # noqa: PLC0415 (wandb may be missing)
-    return WandbLogger(run)
-
-
-# The loggers a user chooses with --loggers; adding one is an entry here (and in the config's
-# choices). Imported only when chosen: the GPU machines may have no wandb.
-LOGGERS: dict[str, Callable[[RunInfo], Logger]] = {"console": _console, "wandb": _wandb}
+# The loggers a user chooses with --loggers, started as the Python API starts its objects;
+# adding one is an entry here (and in the config's choices). Each backend's library is
+# imported only when it is chosen: the GPU machines may have no wandb or tensorboard.
+LOGGERS: dict[str, Callable[[RunInfo], Logger]] = {
+    "console": Console().start, "tensorboard": TensorBoard().start, "wandb": Wandb().start}
 
 
 def build_loggers(run: RunInfo) -> Loggers:

@@ -55,6 +55,17 @@ class Jsonl:
 
 
 @dataclass(frozen=True)
+class TensorBoard:
+    """TensorBoard event files: every number under its metrics.jsonl name and step. Empty
+    `log_dir`: the run folder's tensorboard/, so `tensorboard --logdir runs` shows every run."""
+    log_dir: str = ""
+
+    def start(self, run: RunInfo) -> Logger:
+        from app.loggers.tensorboard_logger import FOLDER, TensorBoardLogger  # noqa: PLC0415
+        return TensorBoardLogger(self.log_dir or run.run_dir / FOLDER)
+
+
+@dataclass(frozen=True)
 class Wandb:
     """A Weights & Biases run. Empty settings defer to the run's logging settings, then to
     wandb's environment variables (WANDB_PROJECT, WANDB_MODE, ...); `config` is logged beside
@@ -101,8 +112,8 @@ def start_loggers(logger: Any, run: RunInfo, always: list[Logger] | None = None)
             backends.append(Partial(item))
         else:
             raise UserError(f"logger={item!r}: pass app.loggers.Console(), Notebook(), Jsonl(), "
-                            "Wandb(...), a list of them, or an object with log_metrics(step, "
-                            "metrics)")
+                            "TensorBoard(), Wandb(...), a list of them, or an object with "
+                            "log_metrics(step, metrics)")
     return Loggers(backends)
 
 
