@@ -76,7 +76,13 @@ class MotoServer:
 
 
 COUNTS_PATH = "/__proxy_counts__"
+FORBID_PATH = "/__proxy_forbid_writes__/"  # + "on" or "off": writes answered 403 from now on
 MISSING = "missing:"  # on the proxy's command line: a key answered 404
+HOLD = "hold:"  # on the proxy's command line: writes of a key held (never answered)
+REFUSE = "refuse:"  # on the proxy's command line: writes of a key answered 403
+HOLD_AFTER = "hold-after:"  # on the proxy's command line: holding starts after this key's write
+FORBID = "forbid-writes"  # on the proxy's command line: writes answered 403 from the start
+WRITES = ("PUT", "POST", "DELETE")
 
 
 class FaultyProxy:
@@ -87,18 +93,29 @@ class FaultyProxy:
     `missing` a 404 NoSuchKey (listings still name them: an object deleted after it was
     listed). It counts requests, requests in flight, the requests to `always_fail` and
     `missing` keys, and who signed them (access key ids, or unsigned).
+    `forbid_writes` (and forbid_writes_now(), at any time) answers every write 403
+    AccessDenied: a bucket whose policy refuses us; writes of keys containing one of `hold`
+    are held unanswered (counted in `held`): an upload that is in progress for as long as the
+    test likes (their paths listed in `held_paths`), from the start or, with `hold_after`,
+    once a write of a key containing it has been answered; writes of keys containing one of
+    `refuse` are always answered 403.
     With `remember`, a GET of an object it has fetched before is answered from memory: an S3
     that keeps up (moto_server spends ~2.6 ms of CPU on each request), for benchmarks of the
     client alone."""
 
     def __init__(self, upstream: str, latency_s: float = 0.0, fail_fraction: float = 0.0,
                  drop_fraction: float = 0.0, always_fail: tuple[str, ...] = (), seed: int = 0,
-                 remember: bool = False, missing: tuple[str, ...] = ()):
+                 remember: bool = False, missing: tuple[str, ...] = (),
+                 forbid_writes: bool = False, hold: tuple[str, ...] = (),
+                 refuse: tuple[str, ...] = (), hold_after: str = ""):
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, __file__, str(self.port), upstream, str(latency_s),
              str(fail_fraction), str(drop_fraction), str(seed), str(int(remember)),
-             *always_fail, *(MISSING + key for key in missing)])
+             *always_fail, *(MISSING + key for key in missing), *(HOLD + key for key in hold),
+             *(REFUSE + key for key in refuse),
+             *((HOLD_AFTER + hold_after,) if hold_after else ()),
+             *((FORBID,) if forbid_writes else ())])
         wait_for_port(self.port)
 
     @property
@@ -110,6 +127,11 @@ class FaultyProxy:
         with urllib.request.urlopen(self.endpoint + COUNTS_PATH, timeout=10) as answer:
             return json.loads(answer.read())
 
+    def forbid_writes_now(self, forbid: bool = True) -> None:
+        url = self.endpoint + FORBID_PATH + ("on" if forbid else "off")
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            answer.read()
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)
@@ -117,15 +139,23 @@ class FaultyProxy:
 
 def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float,
                 drop_fraction: float, seed: int, always_fail: list[str], remember: bool = False,
-                missing: tuple[str, ...] = ()) -> None:
+                missing: tuple[str, ...] = (), forbid_writes: bool = False,
+                hold: tuple[str, ...] = (), refuse: tuple[str, ...] = (),
+                hold_after: str = "") -> None:
     chance = random.Random(seed)
     remembered: dict[str, tuple[bytes, dict]] = {}  # path -> (body, headers) of whole GETs
     counts = {"requests": 0, "failed": 0, "dropped": 0, "in_flight": 0, "most_in_flight": 0,
-              "always_failed": 0, "missing": 0, "unsigned": 0, "signed_by": {}}
+              "always_failed": 0, "missing": 0, "unsigned": 0, "signed_by": {}, "held": 0,
+              "forbidden": 0, "held_paths": []}
+    forbidding = [forbid_writes]
+    holding = [not hold_after]
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == COUNTS_PATH:
             return web.json_response(counts)
+        if request.path.startswith(FORBID_PATH):
+            forbidding[0] = request.path.endswith("/on")
+            return web.json_response({"forbid_writes": forbidding[0]})
         counts["requests"] += 1
         signer = re.search(r"Credential=([A-Z0-9]+)/", request.headers.get("Authorization", ""))
         if signer:
@@ -144,6 +174,16 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
         if latency_s:
             await asyncio.sleep(latency_s)
         roll = chance.random()
+        if request.method in WRITES and holding[0] and any(key in request.path for key in hold):
+            counts["held"] += 1
+            counts["held_paths"].append(request.path)
+            await asyncio.sleep(3600)  # the client gives up, or is killed, first
+        if request.method in WRITES and hold_after and hold_after in request.path:
+            holding[0] = True  # from the next write on (this one is answered)
+        if request.method in WRITES and (forbidding[0] or any(k in request.path for k in refuse)):
+            counts["forbidden"] += 1
+            return web.Response(status=403, content_type="application/xml", text=(
+                "<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"))
         if request.method in ("GET", "HEAD") and any(key in request.path for key in missing):
             counts["missing"] += 1
             return web.Response(status=404, content_type="application/xml", text=(
@@ -186,11 +226,17 @@ def serve_proxy(port: int, upstream: str, latency_s: float, fail_fraction: float
     app = web.Application(client_max_size=2**30)
     app.cleanup_ctx.append(open_session)
     app.router.add_route("*", "/{tail:.*}", handle)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+    # held requests would otherwise keep a stopping proxy waiting for its 60 s default
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True,
+                shutdown_timeout=0.5)
 
 
 if __name__ == "__main__":
     port, upstream, latency, fail, drop, seed, remember, *keys = sys.argv[1:]
     serve_proxy(int(port), upstream, float(latency), float(fail), float(drop), int(seed),
-                [key for key in keys if not key.startswith(MISSING)], remember == "1",
-                [key[len(MISSING):] for key in keys if key.startswith(MISSING)])
+                [key for key in keys
+                 if not key.startswith((MISSING, HOLD, REFUSE, FORBID, HOLD_AFTER))],
+                remember == "1", [key[len(MISSING):] for key in keys if key.startswith(MISSING)],
+                FORBID in keys, tuple(key[len(HOLD):] for key in keys if key.startswith(HOLD)),
+                tuple(key[len(REFUSE):] for key in keys if key.startswith(REFUSE)),
+                next((key[len(HOLD_AFTER):] for key in keys if key.startswith(HOLD_AFTER)), ""))

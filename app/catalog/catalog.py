@@ -109,6 +109,30 @@ class Catalog:
             raise UserError(f"dataset '{name}': root {url} not found; {hint}")
         return root
 
+    def location(self, url: str) -> DatasetRoot:
+        """Any URL that is not a dataset (a run folder, a checkpoint to resume from), opened
+        with the settings of the entry whose bucket holds it (endpoint_url, region, profile,
+        anon; the longest matching url wins), else with the credential chain's alone: one way
+        for datasets and run folders to become clients."""
+        url = url.rstrip("/")
+        entry = self._entry_holding(url)
+        return DatasetRoot("location", url, _storage_options(url, entry),
+                           store_options=_store_options(url, entry))
+
+    def _entry_holding(self, url: str) -> dict[str, Any]:
+        """The entry with a url in the same bucket as `url` (the same scheme://host), the one
+        sharing the longest prefix with it; {} when none is."""
+        bucket = _bucket_of(url)
+        best: tuple[int, dict[str, Any]] = (-1, {})
+        for name, entry in self.entries.items():
+            if "url" not in entry or not bucket:
+                continue
+            entry_url = self._url(name, entry).rstrip("/")
+            if _bucket_of(entry_url) == bucket:
+                shared = len(os.path.commonprefix([entry_url, url]))
+                best = max(best, (shared, entry), key=lambda pair: pair[0])
+        return best[1]
+
     def dataset(self, name: str = "") -> Dataset:
         """An entry as an object whose tables the Python API trains on (app/catalog/dataset.py):
         opened as `open` opens it."""
@@ -171,6 +195,14 @@ def _check_reader(where: str, entry: dict[str, Any]) -> None:
         readable = "s3:// URLs" if reader == "s3fs" else "s3://, gs:// and az:// URLs"
         raise UserError(f"{where}: reader = \"{reader}\" reads only {readable}; remove "
                         "`reader` for this url")
+
+
+def _bucket_of(url: str) -> str:
+    """scheme://bucket of an object store's URL; "" for anything else."""
+    if scheme_of(url) not in OBJECT_STORE_SCHEMES:
+        return ""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme.lower()}://{rest.split('/', 1)[0]}"
 
 
 def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:

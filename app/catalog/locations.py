@@ -1,14 +1,22 @@
 """Files and folders named by a local path or any fsspec URL (s3://, gs://, https://, ...), for
 what comes after training: weights to start from, models to load, images to classify. URLs go
-through app/catalog/storage.py's clients, as datasets do; credentials come from the same chains."""
+through app/catalog/storage.py's clients, as datasets do; credentials come from the same chains,
+and the settings (endpoint_url, region, profile, anon) of the project catalog's entry in the
+same bucket apply as they do to a run folder (Catalog.location). Model files at a URL are read
+through the download cache (remote_run.fetch_file): fetched once per machine."""
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from pathlib import Path
 
+from app.catalog.catalog import Catalog
+from app.catalog.remote_run import fetch_file
 from app.catalog.storage import DatasetRoot, scheme_of
 from app.runtime.errors import UserError, first_line
+
+PROJECT_CATALOG = "datasets.toml"  # found from any folder (Catalog.load)
 
 
 def is_local(location: str) -> bool:
@@ -19,8 +27,26 @@ def join(folder: str, name: str) -> str:
     return str(Path(folder) / name) if is_local(folder) else f"{folder.rstrip('/')}/{name}"
 
 
+@functools.lru_cache(maxsize=1)
+def _catalog() -> Catalog | None:
+    try:
+        return Catalog.load(PROJECT_CATALOG)
+    except UserError:  # no catalog, or a broken one: the credential chains alone
+        return None
+
+
 def _root(location: str) -> DatasetRoot:
-    return DatasetRoot("location", location.rstrip("/"))
+    catalog = _catalog()
+    if catalog is None or scheme_of(location) in ("", "file", "http", "https"):
+        return DatasetRoot("location", location.rstrip("/"))
+    return catalog.location(location)
+
+
+def read_cached(location: str) -> bytes:
+    """A model file's bytes; at a URL fetched into the download cache first (once)."""
+    if is_local(location):
+        return read_bytes(location)
+    return fetch_file(_root(location)).read_bytes()
 
 
 def is_folder(location: str) -> bool:
@@ -47,7 +73,7 @@ def read_bytes(location: str) -> bytes:
         if is_local(location):
             return Path(location).read_bytes()
         parent, name = posixpath.split(location)
-        return DatasetRoot("location", parent).read_bytes(name)
+        return _root(parent).read_bytes(name)
     except FileNotFoundError:
         raise UserError(f"{location} not found") from None
     except IsADirectoryError:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from app.config.sources import parse_config
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from app.launch import run
+from app.launch import remote_output, run
 from app.models import saved_weights
 from app.models.saved_weights import ModelSpec
 from app.runtime.errors import UserError
@@ -56,7 +56,7 @@ def main(model: str, extra: list[str]) -> int:
         config, _ = parse_config(argv)
     code = run.main(argv)
     if code == 0:
-        print(summary(model, Path(config.run.output_dir) / config.run.name))
+        print(summary(model, remote_output.run_dir(config.run.output_dir, config.run.name)))
     return code
 
 

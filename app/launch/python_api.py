@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from app.catalog import Catalog
 from app.catalog.dataset import Split
+from app.catalog.remote_run import is_url
 from app.catalog.tables import Tables
 from app.config import Config
 from app.launch import api_inputs
@@ -108,6 +109,9 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
     kind = type(model)
     arch = f"{kind.__module__}.{kind.__qualname__}"  # a class, not a name the factory knows
     run = resolved_config.run
+    if is_url(run.output_dir):  # the uploader and the bucket's checks live in the driver
+        raise UserError(f"output_dir={run.output_dir!r}: a run folder in a bucket is for "
+                        "bin/driver.py --output-dir; from Python give a local folder")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = run.name or reserved_run_name(Path(run.output_dir),
                                          f"{train_set.root.name}-{kind.__name__.lower()}-{stamp}")

@@ -17,10 +17,13 @@ from urllib.parse import urlsplit
 
 from app.catalog import skipped
 from app.catalog import Catalog
+from app.catalog.remote_run import is_url
 from app.catalog.tables import load_tables
+from app.catalog.uploader import Mirrored
 from app.config import Config, DataConfig, ParallelConfig, RunConfig
 from app.config.sources import dump_toml, parse_config
 from app.data.resolution import Resolution, resolve
+from app.launch import remote_output
 from app.runtime import forkserver, slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
@@ -60,15 +63,20 @@ def main(argv: list[str]) -> int:
                       report=print_nothing if launch and launch.rank else log.info)
     if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
         check_pretrained(job, primary=not (launch and launch.rank))
+    primary = not (launch and launch.rank)
+    if job.output_store and primary:  # before any worker starts: the bucket takes writes
+        remote_output.check_bucket(job.output_store, resuming=bool(config.run.resume))
     write_run_folder(job)  # first: it also shows that the output folder is writable
-    preflight.check(job, saves=not (launch and launch.rank))
+    preflight.check(job, saves=primary)
+    uploader = remote_output.start_mirror(job) if job.output_store and primary else None
     if launch:
         from app.launch.worker import launched_process  # noqa: PLC0415 (torch: this is a worker)
         code = launched_process(job, launch, launched_device(devices, launch))
     else:
         code = run_group(job, devices, mode)
-    if code == PREEMPTED_EXIT_CODE and not (launch and launch.rank):
-        print(resume_hint(job), file=sys.stderr)
+    code, mirrored = remote_output.finish_mirror(uploader, code, job.config.run.stop_timeout)
+    if code == PREEMPTED_EXIT_CODE and primary:
+        print(resume_hint(job, mirrored), file=sys.stderr)
     moment("driver:end")
     return code
 
@@ -207,16 +215,20 @@ def record_restart(job: TrainJob, restart: Restart) -> str:
     return f"from {job.resume_from} {position(state)}"
 
 
-def resume_hint(job: TrainJob) -> str:
-    """After a stop on request: where the checkpoint is and the command that continues."""
+def resume_hint(job: TrainJob, mirrored: Mirrored | None = None) -> str:
+    """After a stop on request: where the checkpoint is and the command that continues (for a
+    run folder in a bucket: the bucket's last.pt, or the local copy its upload left)."""
     from app.training import checkpoint  # noqa: PLC0415
     last = job.checkpoint_dir / "last.pt"
     state = checkpoint.load(last, mmap=True)
-    command = shlex.join(["python", *continuing_argv(sys.argv, job.config.run.name)])
-    return f"saved {last} {position(state)}; to continue: {command}"
+    where, resume = str(last), "auto"
+    if job.output_store:
+        where, resume = remote_output.stop_hint(job.output_store, last, mirrored)
+    command = shlex.join(["python", *continuing_argv(sys.argv, job.config.run.name, resume)])
+    return f"saved {where} {position(state)}; to continue: {command}"
 
 
-def continuing_argv(argv: list[str], run_name: str) -> list[str]:
+def continuing_argv(argv: list[str], run_name: str, resume: str = "auto") -> list[str]:
     """`argv` with its own --resume and --run-name (either spelling) replaced by the pair that
     continues this run, so a resumed run's hint does not repeat them."""
     kept, skip = [], False
@@ -227,7 +239,7 @@ def continuing_argv(argv: list[str], run_name: str) -> list[str]:
             skip = True
         elif not word.startswith(("--resume=", "--run-name=")):
             kept.append(word)
-    return [*kept, "--resume", "auto", "--run-name", run_name]
+    return [*kept, "--resume", resume, "--run-name", run_name]
 
 
 def position(state: dict) -> str:
@@ -247,7 +259,7 @@ def launched_device(devices: list[str], launch: LaunchEnv) -> str:
 def prepare_job(config: Config) -> TrainJob:
     """Resolve everything a worker needs: dataset, tables, image size, run name, resume."""
     catalog = Catalog.load(config.data.catalog)
-    resume_from, name = resolve_resume(config)
+    resume_from, name = resolve_resume(config, catalog)
     root = catalog.open(config.data.dataset, report=log.info)
     tables = load_tables(root, config.data.classes, config.data.train_index)
     for note in tables.notes:
@@ -255,13 +267,15 @@ def prepare_job(config: Config) -> TrainJob:
     image_size = config.data.image_size or root.image_size or DEFAULT_IMAGE_SIZE
     resolution = resolution_of(config.data, image_size)
     name = name or f"{root.name}-{config.model.arch}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(config.run.output_dir) / name
+    run_dir = remote_output.run_dir(config.run.output_dir, name)  # a URL's: staged here
+    store = remote_output.run_store(catalog, config.run.output_dir, name)
     run_id = resumed_run_id(resume_from) or new_run_id()
     config = dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, dataset=root.name, image_size=image_size),
         run=dataclasses.replace(config.run, name=name, resume=resume_from))
-    return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id)
+    return TrainJob(config, root, tables, resolution, str(run_dir), resume_from, run_id,
+                    output_store=store)
 
 
 def resolution_of(data: DataConfig, image_size: int) -> Resolution:
@@ -272,14 +286,19 @@ def resolution_of(data: DataConfig, image_size: int) -> Resolution:
                                 data.progressive_start_epoch, data.progressive_end_epoch))
 
 
-def resolve_resume(config: Config) -> tuple[str, str]:
+def resolve_resume(config: Config, catalog: Catalog) -> tuple[str, str]:
     """(checkpoint to resume from or "", run name). `auto` means this run's last.pt, if any;
     resuming from runs/<name>/checkpoints/X.pt continues run <name> unless --run-name says
-    otherwise."""
+    otherwise. URLs (a checkpoint's, an --output-dir's) are fetched into the cache first."""
     resume, name = config.run.resume, config.run.name
+    if resume and resume != "auto" and is_url(resume):
+        local, implied = remote_output.fetched_checkpoint(catalog, resume)
+        return local, name or implied
     if resume == "auto":
         if not name:
             raise UserError("--resume auto needs --run-name (the run whose last.pt to continue)")
+        if is_url(config.run.output_dir):
+            return remote_output.fetched_last(catalog, config.run.output_dir, name), name
         last = Path(config.run.output_dir) / name / "checkpoints" / "last.pt"
         if not last.is_file():
             log.info("--resume auto: no %s yet, starting a new run", last)
@@ -324,4 +343,5 @@ def write_run_folder(job: TrainJob) -> None:
                         "--output-dir") from None
     log.info("run %s: %s, %d classes, %d train / %d val images, %s, outputs in %s",
              job.config.run.name, job.root.name, job.tables.num_classes, len(job.tables.train),
-             len(job.tables.val), job.resolution.describe(job.config.train.epochs), path)
+             len(job.tables.val), job.resolution.describe(job.config.train.epochs),
+             f"{job.output_store.url} (staged in {path})" if job.output_store else path)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.catalog.locations import is_folder, join, read_bytes
+from app.catalog.locations import is_folder, join, read_bytes, read_cached
 from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.resolution import DEFAULT_CROP_FRACTION, resolve
 from app.runtime.errors import UserError, first_line
@@ -74,7 +74,7 @@ def read(source: str) -> SavedWeights:
     if is_folder(source):
         return read_export(source)
     if source.endswith(".safetensors"):
-        return SavedWeights(source, "weights", _safetensors(read_bytes(source), source))
+        return SavedWeights(source, "weights", _safetensors(read_cached(source), source))
     payload = _torch_load(source)
     if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
         return SavedWeights(source, "checkpoint", payload["model"], spec_of_checkpoint(payload),
@@ -88,7 +88,7 @@ def read_export(folder: str) -> SavedWeights:
         config = json.loads(read_bytes(config_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UserError(f"{config_path}: not a JSON file ({first_line(error, 100)})") from None
-    weights = _safetensors(read_bytes(weights_path), weights_path)
+    weights = _safetensors(read_cached(weights_path), weights_path)
     return SavedWeights(folder, "export", weights, spec_of_export(config, config_path))
 
 
@@ -136,7 +136,7 @@ def spec_of_export(config: dict, where: str) -> ModelSpec:
 
 
 def _torch_load(location: str):
-    data = read_bytes(location)
+    data = read_cached(location)
     if not data.startswith(TORCH_MAGIC):
         raise UserError(f"{location} is not a PyTorch weights file (nor a folder with "
                         f"{EXPORT_CONFIG}, nor .safetensors)")

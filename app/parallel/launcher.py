@@ -32,7 +32,8 @@ from app.runtime import forkserver
 from app.runtime.cli import end_process, kill_daemon_children
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests
+from app.runtime.interrupts import (PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests,
+                                    note_stop_signal)
 from app.runtime.liveness import descendants, die_with_parent, is_alive
 from app.runtime.moments import moment
 from app.runtime.spawning import main_module_spawn_can_run
@@ -179,6 +180,7 @@ class StopSignals:
         self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
 
     def handle(self, signum, _frame) -> None:
+        note_stop_signal()
         self.received = signum
         self.count += 1
         try:

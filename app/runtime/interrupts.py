@@ -33,6 +33,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 REPEAT_WINDOW_S = 1.0
 
 
+# When this process received its first stop signal (time.monotonic()), for what must fit in
+# --stop-timeout after it: the checkpoint, then its upload (app/launch/run.py). Signals reach a
+# process, not an object, so the process keeps the one moment; empty until a signal comes.
+_FIRST_STOP_SIGNAL: list[float] = []
+
+
+def note_stop_signal() -> None:
+    """Called by every stop-signal handler of this process."""
+    if not _FIRST_STOP_SIGNAL:
+        _FIRST_STOP_SIGNAL.append(time.monotonic())
+
+
+def seconds_since_stop_signal() -> float | None:
+    """How long ago the first stop signal came (None: none came)."""
+    return time.monotonic() - _FIRST_STOP_SIGNAL[0] if _FIRST_STOP_SIGNAL else None
+
+
 def ignore_stop_signals(*_: object) -> None:
     """In a data loader process: Slurm signals every process of a job step (preemption,
     `--signal`, scancel), not only the worker. A loader killed by them would fail the worker's
@@ -123,6 +140,7 @@ class AgreedRequests:
 
     def handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
+        note_stop_signal()
         if self.received is None:
             self.received, self.received_at = signum, now
         elif now - self.received_at > REPEAT_WINDOW_S:

@@ -24,6 +24,8 @@ class TrainJob:
     # -b and --accum-steps as given, when a resume on another number of workers chose others
     # for the config (app/training/batch_layout.py); () when the config's are the user's
     requested_batch: tuple[int, int] = ()
+    # --output-dir at a URL: the run folder's store (run_dir is then its staging folder here)
+    output_store: DatasetRoot | None = None
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,0 +1,118 @@
+"""--output-dir at a URL: the run folder staged on this machine, mirrored to the bucket.
+
+Before any worker starts (the primary only): the bucket takes a write, and a new run does not
+reuse the name of one already there. `--resume auto` on a machine that has never seen the run
+fetches the bucket's last.pt and the run's other files (metrics.jsonl, ...) into the staging
+folder; `--resume URL` fetches that checkpoint into the cache. While the run trains, the
+uploader (app/catalog/uploader.py) mirrors the staging folder; at the end the driver waits for
+it, after a stop request only for what is left of --stop-timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from app.catalog import Catalog
+from app.catalog.remote_run import RemoteRunFolder, fetch_file, is_url, staging_folder
+from app.catalog.storage import DatasetRoot
+from app.catalog.uploader import Mirrored, Uploader
+from app.runtime.errors import UserError
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
+from app.training.job import TrainJob
+
+log = logging.getLogger("imagenet_dp")
+# After a run that ends on its own, the driver waits this long at most for the last uploads
+# (a 10 GB checkpoint at 100 MB/s takes 100 s); after a stop request, --stop-timeout rules.
+FINISH_TIMEOUT_S = 600.0
+
+
+def run_store(catalog: Catalog, output_dir: str, name: str) -> DatasetRoot | None:
+    """The run folder's store when --output-dir is a URL (None for a local folder)."""
+    return catalog.location(f"{output_dir.rstrip('/')}/{name}") if is_url(output_dir) else None
+
+
+def run_dir(output_dir: str, name: str) -> Path:
+    """Where the run writes: its folder, or for a URL its staging folder on this machine."""
+    base = staging_folder(output_dir) if is_url(output_dir) else Path(output_dir)
+    return base / name
+
+
+def fetched_checkpoint(catalog: Catalog, url: str) -> tuple[str, str]:
+    """(local copy, run name the URL implies or "") of `--resume URL`."""
+    local = fetch_file(catalog.location(url))
+    parts = url.rstrip("/").split("/")
+    name = parts[-3] if len(parts) > 3 and parts[-2] == "checkpoints" else ""
+    return str(local), name
+
+
+def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
+    """`--resume auto` for a run folder in a bucket: the bucket's last.pt (the checkpoint whose
+    upload completed last) fetched into the staging folder, with the run's other files this
+    machine lacks; "" when the bucket has no checkpoint of the run yet."""
+    remote = RemoteRunFolder(run_store(catalog, output_dir, name))
+    local = run_dir(output_dir, name)
+    try:
+        files = remote.files()
+    except FileNotFoundError:
+        files = []
+    except Exception as error:  # noqa: BLE001
+        raise UserError(f"--resume auto: cannot list {remote.describe()} ({error}); check "
+                        "the credentials and --output-dir") from None
+    if "checkpoints/last.pt" not in files:
+        log.info("--resume auto: no %s yet, starting a new run",
+                 remote.describe("checkpoints/last.pt"))
+        return ""
+    for relative in files:  # the record so far: metrics.jsonl goes on, not over
+        if not relative.startswith("checkpoints/") and not (local / relative).exists():
+            remote.fetch(relative, local / relative)
+    log.info("--resume auto: fetching %s", remote.describe("checkpoints/last.pt"))
+    return str(remote.fetch("checkpoints/last.pt", local / "checkpoints" / "last.pt"))
+
+
+def check_bucket(store: DatasetRoot, resuming: bool) -> None:
+    """The bucket takes writes, and a new run does not take a name that holds a run."""
+    remote = RemoteRunFolder(store)
+    remote.check_writable()
+    if not resuming and remote.exists("config.toml"):
+        raise UserError(f"{remote.describe()} holds a run already: continue it with --resume "
+                        "auto, or choose another --run-name")
+
+
+def start_mirror(job: TrainJob) -> Uploader:
+    """The uploader of the run folder, in the process that writes it (the primary's)."""
+    return Uploader(Path(job.run_dir), RemoteRunFolder(job.output_store),
+                    job.config.run.keep_checkpoints, log.info).start()
+
+
+def finish_mirror(uploader: Uploader | None, code: int, stop_timeout: float
+                  ) -> tuple[int, Mirrored | None]:
+    """Wait for the last uploads (after a stop request: what is left of --stop-timeout since
+    the signal). A run that ended well but left files only here ends with 1."""
+    if uploader is None:
+        return code, None
+    since = seconds_since_stop_signal()
+    stopped = code == PREEMPTED_EXIT_CODE
+    budget = max(stop_timeout - (since or 0.0), 0.0) if stopped else FINISH_TIMEOUT_S
+    mirrored = uploader.finish(budget)
+    if mirrored.complete:
+        log.info("run folder uploaded to %s (%.1f s of uploading in all)",
+                 uploader.remote.describe(), uploader.busy_s)
+        return code, mirrored
+    waiting = ", ".join(mirrored.waiting[:3]) + (" ..." if len(mirrored.waiting) > 3 else "")
+    if not stopped:  # after a stop the resume hint names the local checkpoint
+        print(f"error: the upload to {uploader.remote.describe()} did not finish ({waiting} "
+              f"not uploaded); they stay in {uploader.local}, and the run goes on from there "
+              f"with --resume {uploader.local / 'checkpoints' / 'last.pt'}", file=sys.stderr)
+    return (1 if code == 0 else code), mirrored
+
+
+def stop_hint(store: DatasetRoot, local_last: Path, mirrored: Mirrored | None) -> tuple[str, str]:
+    """(what holds the stop's checkpoint, the --resume that continues from it)."""
+    if mirrored is not None and mirrored.complete:
+        return f"{store.describe('checkpoints/last.pt')} (a copy of {mirrored.last})", "auto"
+    target = next((p for p in local_last.parent.glob("step-*.pt")
+                   if p.stat().st_ino == local_last.stat().st_ino), local_last)
+    return (f"{target} only on this machine (its upload to {store.describe()} did not finish "
+            "within --stop-timeout)", str(target))

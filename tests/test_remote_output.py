@@ -1,0 +1,285 @@
+"""--output-dir s3://...: the run folder staged locally and mirrored to a real S3 server on
+loopback (moto_server), through the fault proxy where the bucket misbehaves: every output in the
+bucket, last.pt naming only whole checkpoints, SIGTERM -> upload -> exit 75 within the bound,
+a requeued run on a fresh machine continuing bit-identical from the bucket, 503s, 403s at the
+start and mid-run, a SIGKILL mid-upload, no credential in anything the run wrote or printed."""
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from app.catalog.remote_run import staging_folder
+from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from conftest import REPO, read_line_with, run_driver, write_catalog
+from s3 import SECRET_KEY, FaultyProxy
+from test_reliability import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver,  # noqa: F401
+                              metric_rows, straight)
+
+ONE_WORKER = (*EXACT, *SPLITS["1 worker"])  # 20 steps an epoch, 2 epochs
+
+
+def bucket_files(server, bucket: str) -> dict[str, bytes]:
+    client = server.client()
+    listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return {o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+            for o in listed}
+
+
+def new_bucket(server, name: str) -> str:
+    client = server.client()
+    if name not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
+        client.create_bucket(Bucket=name)
+    return name
+
+
+def as_checkpoint(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def wait_for_step(process, run_dir, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r.get("step", 0) >= step for r in metric_rows(run_dir)):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_every_output_reaches_the_bucket_and_its_name_is_not_taken_twice(s3_server, tmp_path):
+    """The bucket's settings from a catalog entry in the same bucket (its endpoint_url: the
+    fault proxy, answering 30% of the requests 503 SlowDown): all the run's files arrive,
+    last.pt is a copy of the one step file --keep-checkpoints 1 leaves, and the secret key is
+    in nothing the run wrote or printed. The same run name again: refused."""
+    new_bucket(s3_server, "team-a")
+    proxy = FaultyProxy(s3_server.endpoint, fail_fraction=0.3, seed=3)
+    catalog = write_catalog(tmp_path / "datasets.toml", {
+        "sample_tiny": {"sample": "tiny"},
+        "team": {"url": "s3://team-a/imagenet", "endpoint_url": proxy.endpoint}})
+    url = "s3://team-a/runs"
+    flags = ("--catalog", str(catalog), "--dataset", "sample_tiny", *ONE_WORKER,
+             "--keep-checkpoints", "1", "--output-dir", url, "--run-name", "r")
+    try:
+        result = run_driver(*flags, cwd=tmp_path)
+        files = bucket_files(s3_server, "team-a")
+        again = run_driver(*flags, cwd=tmp_path)
+        failed = proxy.counts["failed"]
+    finally:
+        proxy.stop()
+    assert result.returncode == 0, result.stderr
+    assert failed > 0  # retried until they passed
+    assert {k for k in files if not k.startswith("runs/r/checkpoints/")} >= {
+        "runs/r/config.toml", "runs/r/metrics.jsonl", "runs/r/curves.png", "runs/r/skipped.tsv"}
+    checkpoints = {k.rsplit("/", 1)[1] for k in files if "/checkpoints/" in k}
+    assert checkpoints - {"best.pt"} == {"last.pt", "step-000000040.pt"}
+    assert files["runs/r/checkpoints/last.pt"] == files["runs/r/checkpoints/step-000000040.pt"]
+    assert as_checkpoint(files["runs/r/checkpoints/last.pt"])["step"] == 40
+    staged = staging_folder(url) / "r"
+    assert files["runs/r/metrics.jsonl"] == (staged / "metrics.jsonl").read_bytes()
+    assert f'output_dir = "{url}"' in files["runs/r/config.toml"].decode()
+    assert "uploaded checkpoints/step-000000040.pt" in result.stderr and "backlog:" in result.stderr
+    written = [*files.values(), *(p.read_bytes() for p in staged.rglob("*") if p.is_file())]
+    for text in (result.stdout.encode(), result.stderr.encode(), again.stderr.encode(),
+                 *written):
+        assert SECRET_KEY.encode() not in text
+
+    assert again.returncode == 2
+    assert error_lines(again.stderr) == [
+        f"error: {url}/r holds a run already: continue it with --resume auto, or choose "
+        "another --run-name"]
+    unchanged = bucket_files(s3_server, "team-a")["runs/r/metrics.jsonl"]
+    assert unchanged == files["runs/r/metrics.jsonl"]
+
+
+def test_sigterm_uploads_then_exits_75_and_a_fresh_machine_continues_bit_identical(
+        straight, s3_server, tmp_path):
+    """The endpoint from AWS_ENDPOINT_URL (the AWS chain). SIGTERM mid-epoch: checkpoint, upload,
+    exit 75 within --stop-timeout 30 (GCP's notice); the local staging folder then deleted (a new
+    machine), --resume auto continues from the bucket and ends with the uninterrupted run's
+    weights; --resume URL of a step file evaluates it on a machine that has no copy, and
+    bin/validate.py rates the URL (--pretrained URL) alike."""
+    new_bucket(s3_server, "spot")
+    url, env = "s3://spot/exp", {"AWS_ENDPOINT_URL": s3_server.endpoint}
+    flags = (*CATALOG, *ONE_WORKER, "--run-name", "cut", "--output-dir", url,
+             "--stop-timeout", "30")
+    staged = staging_folder(url) / "cut"
+    process = subprocess.Popen(driver(*flags), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **env})
+    wait_for_step(process, staged, 5)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code, stderr = process.wait(timeout=60), process.stderr.read()
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    assert time.monotonic() - signalled < 30
+    hint = next(line for line in stderr.splitlines() if "to continue: python" in line)
+    assert f"saved {url}/cut/checkpoints/last.pt" in hint and "--resume auto" in hint
+    cut = as_checkpoint(bucket_files(s3_server, "spot")["exp/cut/checkpoints/last.pt"])
+    assert 5 <= cut["step"] < 20
+
+    shutil.rmtree(staging_folder(url))  # the requeued job runs on a machine that never saw it
+    resumed = run_driver(*flags, "--resume", "auto", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    files = bucket_files(s3_server, "spot")
+    assert_bit_identical(straight("1 worker"), as_checkpoint(files["exp/cut/checkpoints/last.pt"]))
+    steps = [r["step"] for r in map(json.loads,
+                                    files["exp/cut/metrics.jsonl"].decode().splitlines())]
+    assert steps[0] == 1 and steps[-1] == 40  # the record goes on from the first machine's
+
+    shutil.rmtree(staging_folder(url))
+    step_url = f"{url}/cut/checkpoints/step-000000040.pt"
+    evaluated = run_driver(*CATALOG, *ONE_WORKER, "-e", "--resume", step_url,
+                           "--output-dir", str(tmp_path / "local"), cwd=tmp_path, env=env)
+    assert evaluated.returncode == 0, evaluated.stderr
+    top1 = metric_rows(tmp_path / "local" / "cut")[-1]["val/top1"]  # the URL named the run
+    validated = subprocess.run(  # bin/validate.py: --pretrained URL, through the cache
+        [sys.executable, str(REPO / "bin" / "validate.py"), step_url, *CATALOG, "-j", "0",
+         "--output-dir", str(tmp_path / "local")], cwd=tmp_path, capture_output=True,
+        text=True, timeout=240, env={**os.environ, **env})
+    assert validated.returncode == 0, validated.stderr
+    assert f"{step_url}: top-1 {top1:.4f}" in validated.stdout
+
+
+def test_an_upload_that_cannot_finish_in_time_leaves_the_local_checkpoint_named(
+        s3_server, tmp_path):
+    """The proxy holds every checkpoint upload: after SIGTERM the driver waits out
+    --stop-timeout 3, exits 75, and names the local step file and the --resume that continues
+    from it; the bucket names no checkpoint."""
+    new_bucket(s3_server, "held")
+    proxy = FaultyProxy(s3_server.endpoint, hold=("checkpoints/step-",))
+    try:
+        url, env = "s3://held/exp", {"AWS_ENDPOINT_URL": proxy.endpoint}
+        process = subprocess.Popen(
+            driver(*CATALOG, *ONE_WORKER, "--run-name", "cut", "--output-dir", url,
+                   "--stop-timeout", "3"),
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **env})
+        wait_for_step(process, staging_folder(url) / "cut", 3)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code, stderr = process.wait(timeout=60), process.stderr.read()
+        elapsed = time.monotonic() - signalled
+    finally:
+        proxy.stop()
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    assert 3 <= elapsed < 8, elapsed  # --stop-timeout, and the process's own exit
+    hint = next(line for line in stderr.splitlines() if "to continue: python" in line)
+    local = hint.split("--resume ", 1)[1].split(" ")[0]
+    assert f"saved {local} only on this machine" in hint and local.endswith(".pt")
+    assert torch.load(local, map_location="cpu", weights_only=True)["step"] >= 3
+    assert not any("checkpoints/" in key for key in bucket_files(s3_server, "held"))
+
+
+def test_a_sigkill_mid_upload_leaves_last_pt_naming_a_whole_checkpoint(s3_server, tmp_path):
+    """Once the bucket's last.pt names a checkpoint, the proxy holds the next checkpoint's
+    upload in flight and the driver is killed: the bucket's last.pt is still the earlier, whole
+    checkpoint, and the one in flight is not in the bucket at all."""
+    new_bucket(s3_server, "killed")
+    proxy = FaultyProxy(s3_server.endpoint, hold=("checkpoints/step-",),
+                        hold_after="checkpoints/last.pt")
+    try:
+        url = "s3://killed/exp"
+        process = subprocess.Popen(
+            driver(*CATALOG, *ONE_WORKER, "--run-name", "k", "--output-dir", url),
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
+        deadline = time.monotonic() + 180
+        while not proxy.counts["held"]:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.1)
+        process.kill()
+        process.wait(timeout=30)
+        held = proxy.counts["held_paths"][0]
+    finally:
+        proxy.stop()
+    files = bucket_files(s3_server, "killed")
+    in_flight = held.split("/killed/", 1)[1].split("?")[0]
+    assert in_flight.startswith("exp/k/checkpoints/step-") and in_flight not in files
+    named = as_checkpoint(files["exp/k/checkpoints/last.pt"])
+    assert named["step"] in (20, 40) and f"step-{named['step']:09d}.pt" not in in_flight
+    copied = f"exp/k/checkpoints/step-{named['step']:09d}.pt"
+    assert files["exp/k/checkpoints/last.pt"] == files[copied]
+
+
+def test_a_bucket_that_refuses_checkpoints_mid_run_keeps_them_local_and_fails_the_run(
+        s3_server, tmp_path):
+    """Writes pass the pre-flight probe, then every checkpoint upload gets 403: training goes
+    on, each file's failure is said once, the checkpoints stay in the staging folder, and the
+    run ends with 1, naming where they are."""
+    new_bucket(s3_server, "strict")
+    proxy = FaultyProxy(s3_server.endpoint, refuse=("checkpoints/",))
+    try:
+        url = "s3://strict/exp"
+        result = run_driver(*CATALOG, *ONE_WORKER, "--run-name", "s", "--output-dir", url,
+                            cwd=tmp_path, env={"AWS_ENDPOINT_URL": proxy.endpoint})
+    finally:
+        proxy.stop()
+    assert result.returncode == 1, result.stderr
+    for name in ("step-000000020.pt", "step-000000040.pt"):
+        said = [line for line in result.stderr.splitlines()
+                if f"could not upload checkpoints/{name}" in line]
+        assert len(said) == 1 and "403" in said[0], result.stderr
+    staged = staging_folder(url) / "s"
+    assert torch.load(staged / "checkpoints" / "last.pt", weights_only=True)["step"] == 40
+    assert error_lines(result.stderr)[-1].startswith(
+        f"error: the upload to {url}/s did not finish (checkpoints/")
+    files = bucket_files(s3_server, "strict")
+    assert "exp/s/metrics.jsonl" in files and not any("checkpoints" in k for k in files)
+
+
+def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded(
+        s3_server, tmp_path):
+    """403 for every write from step 2 on, until the run has said so; allowed again, the
+    uploads catch up (said once) and a stop request ends with the bucket's last.pt."""
+    new_bucket(s3_server, "moody")
+    proxy = FaultyProxy(s3_server.endpoint)
+    try:
+        url = "s3://moody/exp"
+        process = subprocess.Popen(
+            driver(*CATALOG, *ONE_WORKER, "--epochs", "50", "--run-name", "m",
+                   "--output-dir", url),
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
+        wait_for_step(process, staging_folder(url) / "m", 2)
+        proxy.forbid_writes_now()
+        said = read_line_with(process, "could not upload")
+        proxy.forbid_writes_now(False)
+        said += read_line_with(process, "uploads work again")
+        process.send_signal(signal.SIGTERM)
+        code, stderr = process.wait(timeout=60), said + process.stderr.read()
+    finally:
+        proxy.stop()
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    assert "uploads work again" in stderr
+    stopped = as_checkpoint(bucket_files(s3_server, "moody")["exp/m/checkpoints/last.pt"])
+    assert f"after step {stopped['step']} " in stderr  # the stop's checkpoint is the bucket's
+
+
+@pytest.mark.parametrize("bucket", ["missing", "forbidden"])
+def test_a_bucket_that_takes_no_writes_stops_the_run_before_any_worker(s3_server, tmp_path,
+                                                                      bucket):
+    proxy = FaultyProxy(s3_server.endpoint, forbid_writes=True) if bucket == "forbidden" \
+        else None
+    new_bucket(s3_server, "forbidden")
+    try:
+        result = run_driver(*CATALOG, *ONE_WORKER, "--run-name", "x",
+                            "--output-dir", f"s3://{bucket}/exp", cwd=tmp_path,
+                            env={"AWS_ENDPOINT_URL": (proxy or s3_server).endpoint})
+    finally:
+        if proxy:
+            proxy.stop()
+    assert result.returncode == 2, result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and f"cannot write s3://{bucket}/exp/x" in lines[0], result.stderr
+    assert ("403" if bucket == "forbidden" else "no such bucket") in lines[0]
+    assert "started" not in result.stderr
+    assert not (staging_folder(f"s3://{bucket}/exp") / "x" / "config.toml").exists()
