@@ -194,30 +194,28 @@ def test_start_bench_times_the_first_step_and_counts_every_process(tmp_path):
 
 
 def test_peers_bench_runs_each_trainer_per_seed_on_the_same_folder(tmp_path, tiny_imagefolder):
-    """Ours (with the CPU recipe) and pytorch/examples' recipe on one imagefolder, seed 0 twice:
-    the runs interleave seed by seed, and each trainer repeats its own top-1 exactly, so the seed
-    reaches both (main.py's loader and weights are random without it); both learn (10 classes:
-    chance is 0.1). timm's train.py is not part of the package, so it is left out here."""
+    """Ours (with the CPU recipe) and pytorch/examples' recipe on one imagefolder, one seed:
+    both learn (10 classes: chance is 0.1), each run's top-1 is its last epoch's, and the time
+    to a target is that of the first epoch reaching it, within the run. timm's train.py is not
+    part of the package, so it is left out here."""
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(f'[datasets.folder]\nurl = "{tiny_imagefolder}"\nlayout = "imagefolder"\n')
     report = tmp_path / "peers.json"
     result = bench("peers", "--catalog", str(catalog), "--dataset", "folder", "--trainers",
-                   "ours,examples", "--seeds", "0,0", "--epochs", "2", "--image-size", "32",
+                   "ours,examples", "--seeds", "0", "--epochs", "2", "--image-size", "32",
                    "-b", "16", "-j", "1", "--target", "0.15", "--json", str(report))
     assert result.returncode == 0, result.stderr
     runs = json.loads(report.read_text())["runs"]
-    assert [run["trainer"] for run in runs] == ["ours", "examples", "ours", "examples"]
-    for trainer in ("ours", "examples"):
-        first, second = (run["top1"] for run in runs if run["trainer"] == trainer)
-        assert first == second and 0.1 < first <= 1.0, (trainer, first, second)
+    assert [run["trainer"] for run in runs] == ["ours", "examples"]
     for run in runs:  # the first epoch that reaches 0.15, within the run
+        assert 0.1 < run["top1"] <= 1.0, run
         reached = [top1 >= 0.15 for top1 in run["epoch_top1"]]
         assert len(reached) == 2 and run["epoch_top1"][-1] == run["top1"]
         assert (run["time_to_target_s"] is None) == (True not in reached)
         if run["time_to_target_s"] is not None:
             assert 0 < run["time_to_target_s"] <= run["wall_s"]
     summary = json.loads(report.read_text())["summary"]
-    assert summary["ours"]["wall_vs_first"] == 1.0 and summary["examples"]["seeds"] == 2
+    assert summary["ours"]["wall_vs_first"] == 1.0 and summary["examples"]["seeds"] == 1
     assert "examples" in result.stdout  # the table, printed
 
 
