@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.catalog import archive, sample
+import app.catalog.archive as archive
+import app.catalog.sample as sample
 from app.catalog.dataset import Dataset
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
                                  SHARD_LAYOUTS, DatasetRoot, default_cache_dir, scheme_of)

@@ -17,7 +17,9 @@ from typing import Iterable
 
 import pandas as pd
 
-from app.catalog import imagefolder, shards, tables
+import app.catalog.imagefolder as imagefolder
+import app.catalog.shards as shards
+import app.catalog.tables as tables
 from app.catalog.labels import SYNSET_MAPPING, ClassIndex, select_classes
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from app.catalog import imagenet_classes
+import app.catalog.imagenet_classes as imagenet_classes
 from app.catalog.labels import (SYNSET_MAPPING, Classes, ClassIndex, Tables, parse_synset_mapping,
                                 select_classes)
 from app.catalog.shard_index import ShardError, missing_shard, parquet_labels

@@ -13,7 +13,8 @@ import re
 
 import pandas as pd
 
-from app.catalog import imagefolder, shards
+import app.catalog.imagefolder as imagefolder
+import app.catalog.shards as shards
 from app.catalog.labels import (SAFE_ID, SAFE_NAME, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex,
                                 Tables, finish, parse_synset_mapping, select_classes)
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
