@@ -46,12 +46,16 @@ def main() -> int:
     parser.add_argument("--steps-after-upload", type=int, default=5)
     # A save mid-epoch: its upload overlaps plain steps, not the epoch's evaluation.
     parser.add_argument("--checkpoint-interval", default="0.5", help="minutes")
+    # A bucket is another machine: at 19, moto_server's CPU time (it hashes and stores every
+    # part) no longer competes with training's threads for these cores.
+    parser.add_argument("--server-niceness", type=int, default=0)
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="remote-save-bench-"))
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
            "IMAGENET_DP_CACHE": str(cache)}
     server = MotoServer()
+    os.setpriority(os.PRIO_PROCESS, server.process.pid, args.server_niceness)
     try:
         server.client().create_bucket(Bucket="bench")
         env["AWS_ENDPOINT_URL"] = server.endpoint
@@ -114,18 +118,24 @@ def step_times(metrics: Path | None) -> dict[int, float]:
 
 def report(server, uploads, steps: dict[int, float], lines, code: int, exit_s: float) -> None:
     import torch  # noqa: PLC0415 (only to read the bucket's last.pt back)
-    during, other = [], []
+    during, other, saving = [], [], []
     ends = [t for step, t in steps.items() if step < 0]
+    saved_after = {int(name.split("-")[1].split(".")[0]) for *_, name in uploads}
     for step in sorted(s for s in steps if s > 0):
         start, end = steps.get(step - 1), steps[step]
         if start is None or any(start < t < end for t in ends):
             continue  # the first step of a start, or one that includes an evaluation and save
+        if step - 1 in saved_after:  # includes writing the checkpoint to the local disk
+            saving.append(end - start)
+            continue
         overlaps = any(a < end and start < b for a, b, *_ in uploads)
         (during if overlaps else other).append(end - start)
     for start, end, mb, name in uploads:
         print(f"upload: {name} {mb:.1f} MB in {end - start:.1f} s ({mb / (end - start):.0f} "
               "MB/s)")
-    print(f"steps overlapping an upload: {len(during)}, other steps: {len(other)}")
+    print(f"steps overlapping an upload: {len(during)} ({' '.join(f'{d:.2f}' for d in during)}"
+          f" s), other steps: {len(other)}; steps that include a local save (as in a local "
+          f"run folder, not counted above): {' '.join(f'{d:.2f}' for d in saving)} s")
     if during and other:
         busy, calm = statistics.median(during), statistics.median(other)
         print(f"step time during uploads: median {busy:.3f} s ({len(during)} steps); other "

@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from app.catalog.remote_run import staging_folder
+from app.catalog.remote_run import RemoteRunFolder, staging_folder
+from app.catalog.storage import DatasetRoot
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO, read_line_with, run_driver, write_catalog
 from s3 import SECRET_KEY, FaultyProxy
@@ -283,3 +285,18 @@ def test_a_bucket_that_takes_no_writes_stops_the_run_before_any_worker(s3_server
     assert ("403" if bucket == "forbidden" else "no such bucket") in lines[0]
     assert "started" not in result.stderr
     assert not (staging_folder(f"s3://{bucket}/exp") / "x" / "config.toml").exists()
+
+
+def test_two_runs_that_take_one_name_at_the_same_moment_one_is_refused(s3_server):
+    """The name is claimed by a conditional write of config.toml (If-None-Match: *), not by
+    looking first: of eight claims at once, exactly one wins, and its bytes are what the
+    bucket holds. (The driver's refusal of a taken name: the first test.)"""
+    new_bucket(s3_server, "race")
+    store = DatasetRoot("run", "s3://race/exp/same",
+                        {"endpoint_url": s3_server.endpoint})
+    contenders = [f"run {i}".encode() for i in range(8)]
+    with ThreadPoolExecutor(len(contenders)) as pool:
+        won = list(pool.map(lambda data: RemoteRunFolder(store).claim("config.toml", data),
+                            contenders))
+    assert won.count(True) == 1
+    assert bucket_files(s3_server, "race")["exp/same/config.toml"] == contenders[won.index(True)]

@@ -28,7 +28,7 @@ ATTEMPTS = 4
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 # Answers that no retry changes: the bucket refuses us, or is not there.
-PERMANENT = (PermissionError, FileNotFoundError, UserError)
+PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, UserError)
 
 
 def is_url(location: str) -> bool:
@@ -90,6 +90,16 @@ class RemoteRunFolder:
         """Upload a whole file; an object store shows the object only once all its bytes are
         there (a multipart upload becomes visible when it completes)."""
         retried(lambda: self.root.fs.put_file(str(local), self._path(relative)), deadline)
+
+    def claim(self, relative: str, data: bytes) -> bool:
+        """Write `relative` only if no object has that name (a conditional write, S3's
+        If-None-Match: *): of two runs that take one name at the same moment, one gets it.
+        False: the name is taken."""
+        try:
+            retried(lambda: self.root.fs.pipe_file(self._path(relative), data, mode="create"))
+        except FileExistsError:
+            return False
+        return True
 
     def copy(self, source: str, target: str, deadline: float | None = None) -> None:
         """A copy inside the bucket (no bytes through this machine): atomic, as a put."""

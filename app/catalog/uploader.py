@@ -1,10 +1,10 @@
-"""Mirrors a staged run folder to its bucket from a background thread, so no training step ever
-waits for the network.
+"""Mirrors a staged run folder to its bucket from a background thread (of the upload process,
+app/launch/upload_process.py), so no training step ever waits for the network.
 
 The run writes its folder locally as always (app/catalog/remote_run.py says where); every
-POLL_S this thread uploads what changed: checkpoints first (newest first: at a preemption the
+POLL_S this thread uploads what changed: the newest checkpoint first (at a preemption the
 stop's checkpoint is the one that matters), then config.toml, metrics.jsonl, curves.png,
-skipped.tsv and the rest. A checkpoint counts as saved in the bucket only once its upload is
+skipped.tsv and the rest, then older checkpoints. A checkpoint counts as saved in the bucket only once its upload is
 whole: step-N.pt is uploaded under its final name (an object store shows an object, multipart
 ones included, only when all its bytes are there), and only then does the bucket's last.pt
 become a copy of it (a copy inside the bucket) and do the bucket's checkpoints beyond --keep
@@ -110,8 +110,10 @@ class Uploader:
         self._point_best()
 
     def _changed(self) -> list[str]:
-        """Files whose current bytes the bucket lacks: checkpoints (newest first), then the
-        rest; hidden files (temporaries of atomic writes) and the pointers left out."""
+        """Files whose current bytes the bucket lacks: the newest checkpoint, then the small
+        files (the record a resumed run goes on with), then older checkpoints, newest first;
+        hidden files (temporaries of atomic writes) and the pointers left out. At a stop the
+        newest checkpoint and the record are what counts; an older one may miss the bound."""
         found = []
         for path in self.local.rglob("*"):
             relative = path.relative_to(self.local).as_posix()
@@ -123,8 +125,14 @@ class Uploader:
             except FileNotFoundError:  # rotated away by --keep just now
                 continue
             if self.uploaded.get(relative) != (stat.st_size, stat.st_mtime_ns):
-                found.append((not STEP_FILE.search(relative), -stat.st_mtime_ns, relative))
-        return [relative for *_, relative in sorted(found)]
+                found.append((2 if STEP_FILE.search(relative) else 1, -stat.st_mtime_ns,
+                              relative))
+        found.sort()
+        if found and found[-1][0] == 2:  # the newest checkpoint goes first
+            newest = min(entry for entry in found if entry[0] == 2)
+            found.remove(newest)
+            found.insert(0, newest)
+        return [relative for *_, relative in found]
 
     def _upload(self, relative: str) -> None:
         path = self.local / relative

@@ -4,8 +4,9 @@ Before any worker starts (the primary only): the bucket takes a write, and a new
 reuse the name of one already there. `--resume auto` on a machine that has never seen the run
 fetches the bucket's last.pt and the run's other files (metrics.jsonl, ...) into the staging
 folder; `--resume URL` fetches that checkpoint into the cache. While the run trains, the
-uploader (app/catalog/uploader.py) mirrors the staging folder; at the end the driver waits for
-it, after a stop request only for what is left of --stop-timeout.
+uploader (app/catalog/uploader.py, in a process of its own: app/launch/upload_process.py)
+mirrors the staging folder; at the end the driver waits for it, after a stop request only for
+what is left of --stop-timeout.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 from app.catalog import Catalog
 from app.catalog.remote_run import RemoteRunFolder, fetch_file, is_url, staging_folder
 from app.catalog.storage import DatasetRoot
-from app.catalog.uploader import Mirrored, Uploader
+from app.catalog.uploader import Mirrored
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
+from app.launch.upload_process import UploadProcess
 from app.training.job import TrainJob
 
 log = logging.getLogger("imagenet_dp")
@@ -71,22 +73,24 @@ def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
     return str(remote.fetch("checkpoints/last.pt", local / "checkpoints" / "last.pt"))
 
 
-def check_bucket(store: DatasetRoot, resuming: bool) -> None:
-    """The bucket takes writes, and a new run does not take a name that holds a run."""
+def check_bucket(store: DatasetRoot, resuming: bool, config_toml: str) -> None:
+    """The bucket takes writes, and a new run does not take a name that holds a run: it
+    claims the name by writing its config.toml only where none is (two runs that start with
+    one name at the same moment: one is refused)."""
     remote = RemoteRunFolder(store)
     remote.check_writable()
-    if not resuming and remote.exists("config.toml"):
+    if not resuming and not remote.claim("config.toml", config_toml.encode()):
         raise UserError(f"{remote.describe()} holds a run already: continue it with --resume "
                         "auto, or choose another --run-name")
 
 
-def start_mirror(job: TrainJob) -> Uploader:
-    """The uploader of the run folder, in the process that writes it (the primary's)."""
-    return Uploader(Path(job.run_dir), RemoteRunFolder(job.output_store),
-                    job.config.run.keep_checkpoints, log.info).start()
+def start_mirror(job: TrainJob) -> UploadProcess:
+    """The uploader of the run folder that the primary writes, in a process of its own."""
+    return UploadProcess(Path(job.run_dir), RemoteRunFolder(job.output_store),
+                         job.config.run.keep_checkpoints, log.info)
 
 
-def finish_mirror(uploader: Uploader | None, code: int, stop_timeout: float
+def finish_mirror(uploader: UploadProcess | None, code: int, stop_timeout: float
                   ) -> tuple[int, Mirrored | None]:
     """Wait for the last uploads (after a stop request: what is left of --stop-timeout since
     the signal). A run that ended well but left files only here ends with 1."""
@@ -109,10 +113,12 @@ def finish_mirror(uploader: Uploader | None, code: int, stop_timeout: float
 
 
 def stop_hint(store: DatasetRoot, local_last: Path, mirrored: Mirrored | None) -> tuple[str, str]:
-    """(what holds the stop's checkpoint, the --resume that continues from it)."""
-    if mirrored is not None and mirrored.complete:
-        return f"{store.describe('checkpoints/last.pt')} (a copy of {mirrored.last})", "auto"
+    """(what holds the stop's checkpoint, the --resume that continues from it). The bucket
+    does once its last.pt is a copy of the stop's step file, even if older ones (or the
+    metrics) were still waiting when --stop-timeout ran out."""
     target = next((p for p in local_last.parent.glob("step-*.pt")
                    if p.stat().st_ino == local_last.stat().st_ino), local_last)
+    if mirrored is not None and mirrored.last == target.name:
+        return f"{store.describe('checkpoints/last.pt')} (a copy of {mirrored.last})", "auto"
     return (f"{target} only on this machine (its upload to {store.describe()} did not finish "
             "within --stop-timeout)", str(target))

@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
         check_pretrained(job, primary=not (launch and launch.rank))
     primary = not (launch and launch.rank)
     if job.output_store and primary:  # before any worker starts: the bucket takes writes
-        remote_output.check_bucket(job.output_store, resuming=bool(config.run.resume))
+        remote_output.check_bucket(job.output_store, resuming=bool(config.run.resume),
+                                   config_toml=dump_toml(job.config))
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=primary)
     uploader = remote_output.start_mirror(job) if job.output_store and primary else None
