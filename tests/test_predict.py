@@ -138,3 +138,29 @@ def test_an_older_checkpoint_without_class_names_shows_indices_saying_so_once(tr
         top = json.loads(line)["top"][0]
         assert top["class"] == str(top["index"]) and names[top["index"]] == correct[
             next(p for p in correct if str(p) == path)]
+
+
+def test_a_checkpoint_and_an_export_at_an_s3_url_predict_as_the_local_files(
+        trained, tmp_path, s3_server, monkeypatch):
+    """bin/predict.py and bin/export.py read models from a URL (a real S3 endpoint on
+    loopback, through the download cache): the same classes as the local files."""
+    _, last, correct = trained
+    export(str(last), tmp_path / "exported")
+    client = s3_server.client()
+    client.create_bucket(Bucket="models")
+    client.put_object(Bucket="models", Key="r/last.pt", Body=last.read_bytes())
+    for path in (tmp_path / "exported").iterdir():
+        client.put_object(Bucket="models", Key=f"r/exported/{path.name}", Body=path.read_bytes())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    monkeypatch.setenv("IMAGENET_DP_CACHE", str(tmp_path / "cache"))
+    images = [str(path) for path in list(correct)[:4]]
+
+    def classes(model):
+        out = io.StringIO()
+        assert run(model, images, k=1, as_json=True, out=out) == 0
+        return [json.loads(line)["top"][0]["class"] for line in out.getvalue().splitlines()]
+    expected = [correct[path] for path in list(correct)[:4]]
+    assert classes("s3://models/r/last.pt") == expected
+    assert classes("s3://models/r/exported") == expected
+    export("s3://models/r/last.pt", tmp_path / "from-url")  # bin/export.py CHECKPOINT_URL OUT
+    assert classes(str(tmp_path / "from-url")) == expected
