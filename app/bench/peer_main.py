@@ -29,6 +29,8 @@ import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
 
+from app.runtime.devices import cpu_threads
+
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -68,7 +70,8 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
     if distributed:
         dist.init_process_group("gloo", init_method=args.dist_url, world_size=args.world,
                                 rank=rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    # the cores shared between the ranks, capped by OMP_NUM_THREADS as ours are (a fair race)
+    torch.set_num_threads(cpu_threads(args.world))
     model = models.__dict__[args.arch]().to(device)
     if distributed:
         model = nn.parallel.DistributedDataParallel(model)
