@@ -81,11 +81,6 @@ class RemoteRunFolder:
     def _path(self, relative: str) -> str:
         return self.root.path(relative)
 
-    def exists(self, relative: str) -> bool:
-        fs = self.root.fs
-        fs.invalidate_cache()  # another machine may have written it since we listed
-        return retried(lambda: fs.exists(self._path(relative)))
-
     def put(self, local: Path, relative: str, deadline: float | None = None) -> None:
         """Upload a whole file; an object store shows the object only once all its bytes are
         there (a multipart upload becomes visible when it completes)."""

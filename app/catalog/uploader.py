@@ -16,7 +16,6 @@ passes with growing waits; one that then succeeds is said too.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -221,14 +220,8 @@ class Uploader:
                 self._failed("checkpoints/best.pt", error)
 
     def _target_of(self, pointer: str) -> str:
-        """The step file that checkpoints/<pointer> is another name of (a hard link)."""
-        folder = self.local / "checkpoints"
-        try:
-            inode = os.stat(folder / pointer).st_ino
-            return next((p.name for p in folder.glob("step-*.pt") if p.stat().st_ino == inode),
-                        "")
-        except FileNotFoundError:
-            return ""
+        target = step_file_of(self.local / "checkpoints" / pointer)
+        return target.name if target else ""
 
     def waiting(self) -> list[str]:
         """What the bucket lacks (a pointer follows its step file at once, see _upload)."""
@@ -236,3 +229,14 @@ class Uploader:
         if self.pointers.get("last.pt", "") != self.newest_uploaded[1]:
             waiting.append("checkpoints/last.pt")
         return waiting
+
+
+def step_file_of(pointer: Path) -> Path | None:
+    """The step file that a checkpoint folder's last.pt or best.pt is another name of (a hard
+    link: CheckpointFolder.save); None if the pointer or its step file is gone."""
+    try:
+        inode = pointer.stat().st_ino
+        return next((p for p in pointer.parent.glob("step-*.pt") if p.stat().st_ino == inode),
+                    None)
+    except FileNotFoundError:
+        return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from app.catalog import Catalog
 from app.catalog.remote_run import RemoteRunFolder, fetch_file, is_url, staging_folder
 from app.catalog.storage import DatasetRoot
-from app.catalog.uploader import Mirrored
+from app.catalog.uploader import Mirrored, step_file_of
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
 from app.launch.upload_process import UploadProcess
@@ -116,8 +116,7 @@ def stop_hint(store: DatasetRoot, local_last: Path, mirrored: Mirrored | None) -
     """(what holds the stop's checkpoint, the --resume that continues from it). The bucket
     does once its last.pt is a copy of the stop's step file, even if older ones (or the
     metrics) were still waiting when --stop-timeout ran out."""
-    target = next((p for p in local_last.parent.glob("step-*.pt")
-                   if p.stat().st_ino == local_last.stat().st_ino), local_last)
+    target = step_file_of(local_last) or local_last
     if mirrored is not None and mirrored.last == target.name:
         return f"{store.describe('checkpoints/last.pt')} (a copy of {mirrored.last})", "auto"
     return (f"{target} only on this machine (its upload to {store.describe()} did not finish "
