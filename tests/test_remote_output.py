@@ -20,6 +20,7 @@ import torch
 from app.catalog.remote_run import RemoteRunFolder, staging_folder
 from app.catalog.storage import DatasetRoot
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.liveness import descendants, is_alive
 from conftest import REPO, read_line_with, run_driver, write_catalog
 from s3 import SECRET_KEY, FaultyProxy
 from test_reliability import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver,  # noqa: F401
@@ -184,7 +185,8 @@ def test_an_upload_that_cannot_finish_in_time_leaves_the_local_checkpoint_named(
 def test_a_sigkill_mid_upload_leaves_last_pt_naming_a_whole_checkpoint(s3_server, tmp_path):
     """Once the bucket's last.pt names a checkpoint, the proxy holds the next checkpoint's
     upload in flight and the driver is killed: the bucket's last.pt is still the earlier, whole
-    checkpoint, and the one in flight is not in the bucket at all."""
+    checkpoint, and the one in flight is not in the bucket at all; the upload process (busy
+    with that upload) dies with the driver: no orphan goes on uploading."""
     new_bucket(s3_server, "killed")
     proxy = FaultyProxy(s3_server.endpoint, hold=("checkpoints/step-",),
                         hold_after="checkpoints/last.pt")
@@ -198,11 +200,16 @@ def test_a_sigkill_mid_upload_leaves_last_pt_naming_a_whole_checkpoint(s3_server
         while not proxy.counts["held"]:
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
             time.sleep(0.1)
+        children = descendants(process.pid)  # the upload process, the resource tracker
         process.kill()
         process.wait(timeout=30)
         held = proxy.counts["held_paths"][0]
+        gone_by = time.monotonic() + 10
+        while any(map(is_alive, children)) and time.monotonic() < gone_by:
+            time.sleep(0.1)
     finally:
         proxy.stop()
+    assert children and not any(map(is_alive, children))
     files = bucket_files(s3_server, "killed")
     in_flight = held.split("/killed/", 1)[1].split("?")[0]
     assert in_flight.startswith("exp/k/checkpoints/step-") and in_flight not in files
