@@ -254,7 +254,7 @@ def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded
     try:
         url = "s3://moody/exp"
         process = subprocess.Popen(
-            driver(*CATALOG, *ONE_WORKER, "--epochs", "50", "--run-name", "m",
+            driver(*CATALOG, *ONE_WORKER, "--epochs", "500", "--run-name", "m",
                    "--output-dir", url),
             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
