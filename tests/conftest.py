@@ -166,6 +166,27 @@ def wait_for_training(tmp_path, process, steps: int = 3, timeout: float = 120) -
     raise AssertionError("training did not start in time")
 
 
+def held_pid(process, folder: Path, moment: str, timeout: float = 120) -> int:
+    """The pid of the process of `process`'s run that stopped at `moment`
+    (app/runtime/moments.py: IMAGENET_DP_PAUSE_AT), once it is stopped; fails if the driver
+    ends first or none gets there within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = [p for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()]
+        if held and is_stopped(int(held[0].suffix[1:])):
+            return int(held[0].suffix[1:])
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"no process reached {moment}")
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP): the state after the command in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def skipped_rows(run_dir: Path) -> list[dict]:
     """runs/<run>/skipped.tsv as rows keyed by its header (epoch, split, path, reason)."""
     with open(run_dir / "skipped.tsv", newline="") as handle:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from app.runtime import moments
-from conftest import processes_with, read_started_line, start_driver, wait_for_training
+from conftest import held_pid, processes_with, read_started_line, start_driver, wait_for_training
 
 KILL_TO_EXIT_S = 3.0  # tests/test_parallel.py's bound for a worker killed mid-epoch
 GONE_S = 3.0  # a process of a killed driver, from the kill to its end
@@ -31,20 +31,7 @@ def held_at(tmp_path: Path, moment: str, *flags: str):
     folder.mkdir()
     process, marker = start_driver(tmp_path, "--sync", "ps", "-j", "1", *flags, env={
         moments.PAUSE_AT: moment, moments.PAUSE_DIR: str(folder)})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        held = [p for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()]
-        if held and stopped(int(held[0].suffix[1:])):
-            return process, marker, int(held[0].suffix[1:])
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.05)
-    process.kill()
-    raise AssertionError(f"no process reached {moment}")
-
-
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as handle:
-        return handle.read().rsplit(")", 1)[1].split()[0] == "T"
+    return process, marker, held_pid(process, folder, moment)
 
 
 def forkserver_of(marker: str, driver: int) -> int:

@@ -20,8 +20,9 @@ import torch
 from app.catalog.remote_run import RemoteRunFolder, staging_folder
 from app.catalog.storage import DatasetRoot
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime import moments
 from app.runtime.liveness import descendants, is_alive
-from conftest import REPO, read_line_with, run_driver, write_catalog
+from conftest import REPO, held_pid, read_line_with, run_driver, write_catalog
 from s3 import SECRET_KEY, FaultyProxy
 from test_reliability import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver,  # noqa: F401
                               metric_rows, straight)
@@ -247,29 +248,42 @@ def test_a_bucket_that_refuses_checkpoints_mid_run_keeps_them_local_and_fails_th
 
 def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded(
         s3_server, tmp_path):
-    """403 for every write from step 2 on, until the run has said so; allowed again, the
-    uploads catch up (said once) and a stop request ends with the bucket's last.pt."""
+    """403 for every write from the first batch on; the worker that saves is held after its
+    first save (app/runtime/moments.py) while the run says the refusal, then, allowed again,
+    that the uploads caught up (said once); let go with a stop request, the run ends with the
+    stop's checkpoint as the bucket's last.pt. No step races the uploader: training is held.
+    Two workers: with one, the worker is the driver, whose log a held process cannot write."""
     new_bucket(s3_server, "moody")
     proxy = FaultyProxy(s3_server.endpoint)
+    held = tmp_path / "moments"
+    held.mkdir()
     try:
         url = "s3://moody/exp"
         process = subprocess.Popen(
-            driver(*CATALOG, *ONE_WORKER, "--epochs", "500", "--run-name", "m",
+            driver(*CATALOG, *EXACT, *SPLITS["2 workers ps"], "--run-name", "m",
                    "--output-dir", url),
             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
-        wait_for_step(process, staging_folder(url) / "m", 2)
-        proxy.forbid_writes_now()
+            env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint,
+                 moments.PAUSE_AT: "worker:first-batch,checkpoint:saved",
+                 moments.PAUSE_DIR: str(held)})
+        worker = held_pid(process, held, "worker:first-batch")
+        proxy.forbid_writes_now()  # config.toml is claimed: every later write is refused
+        os.kill(worker, signal.SIGCONT)
+        held_pid(process, held, "checkpoint:saved")  # epoch 1's checkpoint, not uploaded
         said = read_line_with(process, "could not upload")
         proxy.forbid_writes_now(False)
         said += read_line_with(process, "uploads work again")
         process.send_signal(signal.SIGTERM)
-        code, stderr = process.wait(timeout=60), said + process.stderr.read()
+        os.kill(worker, signal.SIGCONT)  # epoch 2 is left: the stop saves mid-epoch
+        code, stderr = process.wait(timeout=120), said + process.stderr.read()
     finally:
         proxy.stop()
     assert code == PREEMPTED_EXIT_CODE, stderr
-    assert "uploads work again" in stderr
+    assert "could not upload" in said and "uploads work again" in stderr
+    refused = [line.split(" to ")[0] for line in stderr.splitlines() if "could not upload" in line]
+    assert refused and len(refused) == len(set(refused))  # once per file, not per attempt
     stopped = as_checkpoint(bucket_files(s3_server, "moody")["exp/m/checkpoints/last.pt"])
+    assert 20 < stopped["step"] < 40  # saved by the stop, in epoch 2
     assert f"after step {stopped['step']} " in stderr  # the stop's checkpoint is the bucket's
 
 

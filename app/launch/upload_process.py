@@ -41,7 +41,7 @@ class UploadProcess:
     """Mirrors `local` to `remote` from a child process until finish()."""
 
     def __init__(self, local: Path, remote: RemoteRunFolder, keep: int,
-                 report: Callable[[str], None]):
+                 report: Callable[[str], None], niceness: int = UPLOAD_NICENESS):
         self.local, self.remote, self.report = Path(local), remote, report
         self.busy_s = 0.0  # seconds spent uploading, in all (known after finish)
         self._outcome: tuple[Mirrored, float] | None = None
@@ -49,7 +49,7 @@ class UploadProcess:
         context = multiprocessing.get_context("spawn")
         self._connection, child_end = context.Pipe()
         self._process = context.Process(target=serve, name="run-folder-upload", daemon=True,
-                                        args=(self.local, remote, keep, child_end))
+                                        args=(self.local, remote, keep, niceness, child_end))
         with main_module_spawn_can_run():
             self._process.start()
         child_end.close()
@@ -90,12 +90,13 @@ class UploadProcess:
         return mirrored
 
 
-def serve(local: Path, remote: RemoteRunFolder, keep: int, connection: Connection) -> None:
+def serve(local: Path, remote: RemoteRunFolder, keep: int, niceness: int,
+          connection: Connection) -> None:
     """The child: mirror until the driver asks for the last pass, then answer with its outcome.
     The driver's death closes the pipe (and the kernel kills this process: die_with_parent)."""
     die_with_parent()
     ignore_stop_signals()
-    os.nice(UPLOAD_NICENESS)
+    os.nice(niceness)
     sending = threading.Lock()  # the uploader's thread reports while this one answers
 
     def send(kind: str, payload: object) -> None:

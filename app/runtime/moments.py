@@ -11,7 +11,8 @@ dictionary lookup.
 The moments: driver:launch (the forkserver imports, no worker started yet), driver:started
 (every process was just started), driver:end, server:start, server:registered (every worker
 has registered, no step averaged yet), worker:start, worker:first-batch (its pipelines are
-open, no batch taken), worker:end, loader:start, loader:batch (a loader was asked for a batch).
+open, no batch taken), worker:end, loader:start, loader:batch (a loader was asked for a batch),
+checkpoint:saved (a checkpoint and its last.pt are on disk).
 Imports nothing of app/.
 """
 

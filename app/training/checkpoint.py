@@ -22,6 +22,7 @@ import torch.nn as nn
 from app.models.saved_weights import CHECKPOINT_FORMAT as FORMAT
 from app.runtime.errors import UserError, first_line
 from app.runtime.files import atomic_path, fsync_folder, remove_temporaries
+from app.runtime.moments import moment
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -126,6 +127,7 @@ class CheckpointFolder:
         for old in saved[:-self.keep]:
             old.unlink(missing_ok=True)  # last.pt and best.pt keep their data alive
         fsync_folder(self.folder)
+        moment("checkpoint:saved")
         return path
 
     def remove_stale_temporaries(self) -> list[Path]:
