@@ -106,6 +106,10 @@ class AugmentConfig:
     val_flip_tta: bool = param(False, "evaluate on the mean of the logits of each val image "
                                "and its horizontal mirror (FFCV's lr_tta)")
     # per-image, in the input pipeline
+    crop_min_scale: float = param(
+        0.08, "the smallest share of an image's area a training crop covers (RandomResizedCrop's "
+        "scale, from this to 1; torchvision's 0.08; fastai's Imagenette scripts 0.35: a milder "
+        "crop for a run of a few epochs)", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     auto_augment: str = param(
         "off", "auto augment policy: ta_wide = TrivialAugmentWide, ra = RandAugment (2 ops), "
         "imagenet = AutoAugment's ImageNet policy, off",
