@@ -7,10 +7,8 @@ import asyncio
 import json
 import random
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -18,40 +16,18 @@ import aiohttp
 import boto3
 from aiohttp import web
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also the proxy's own script
+from app.bench.loopback_s3 import MotoServer as LoopbackS3  # noqa: E402
+from app.bench.loopback_s3 import free_port, wait_for_port  # noqa: E402
+
 # Dummy credentials for the standard AWS chain; tests assert they never reach run outputs.
 ACCESS_KEY = "AKIAIMAGENETDPTEST01"
 SECRET_KEY = "imagenet-dp-test-secret-must-never-be-logged"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
-
-
-class MotoServer:
-    """`moto_server` in its own process: a real S3 endpoint on http://127.0.0.1:PORT."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class MotoServer(LoopbackS3):
+    """`moto_server` in its own process (app/bench/loopback_s3.py), with the tests' client and
+    uploads."""
 
     def client(self):
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
@@ -69,10 +45,6 @@ class MotoServer:
                 client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}",
                                    ExtraArgs={"ACL": acl})
         return f"s3://{bucket}/{prefix}"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=10)
 
 
 COUNTS_PATH = "/__proxy_counts__"

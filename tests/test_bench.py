@@ -222,3 +222,75 @@ def test_peers_bench_runs_each_trainer_per_seed_on_the_same_folder(tmp_path, tin
 def test_peers_bench_needs_timms_train_py_for_timm():
     result = bench("peers", "--trainers", "ours,timm")
     assert result.returncode == 2 and "--timm-train" in result.stderr
+
+
+def test_peers_give_timm_our_recipe_the_same_lr_at_every_step(tmp_path):
+    """--peer-recipe ours: train.py's flags, read back through timm's own scheduler factory,
+    give the LR our ffcv schedule gives at every update of a 5-epoch run (to within our
+    schedule's 1e-4 start), and the optimizer, decay and smoothing of our config."""
+    import timm.scheduler  # noqa: PLC0415
+
+    from app.bench.peers import Setup, timm_command
+    from app.config.sources import file_overrides, make_config
+    from app.training.optim import build_scheduler
+
+    setup = Setup("datasets.toml", "imagenette_local", "configs/imagenette_cpu.toml", "resnet18",
+                  64, 64, 5, 2, "train.py", peer_recipe="ours")
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+    command = timm_command(setup, 0, tmp_path / "out", tmp_path)
+    flags = {}
+    for flag, value in zip(command, [*command[1:], ""]):
+        if flag.startswith("--"):
+            flags[flag[2:]] = "" if value.startswith("--") else value
+    steps = 148  # Imagenette's 9,469 photos at batch 64
+
+    def lrs(scheduler, count, step):
+        out = []
+        for update in range(count):
+            out.append(scheduler.optimizer.param_groups[0]["lr"])
+            step(update + 1)
+        return out
+    theirs_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                                       lr=float(flags["lr"]))
+    theirs, epochs = timm.scheduler.create_scheduler_v2(
+        theirs_optimizer, sched=flags["sched"], num_epochs=int(flags["epochs"]),
+        decay_rate=float(flags["decay-rate"]), min_lr=float(flags["min-lr"]),
+        warmup_lr=float(flags["warmup-lr"]), warmup_epochs=int(flags["warmup-epochs"]),
+        warmup_prefix="warmup-prefix" in flags, step_on_epochs="sched-on-updates" not in flags,
+        updates_per_epoch=steps)
+    config = make_config(file_overrides(str(REPO / setup.config)))
+    ours_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                                     lr=config.optim.lr * 64 / 256)
+    ours = build_scheduler(ours_optimizer, config.optim, steps, 5)
+    theirs_lrs = lrs(theirs, epochs * steps, lambda n: theirs.step_update(num_updates=n))
+    ours_lrs = lrs(ours, 5 * steps, lambda n: ours.step())
+    assert epochs == 5 and len(theirs_lrs) == len(ours_lrs)
+    assert max(abs(a - b) for a, b in zip(theirs_lrs, ours_lrs)) < 2e-4 * max(ours_lrs)
+    assert max(ours_lrs) == pytest.approx(0.125, rel=1e-3)
+    assert (flags["opt"], flags["momentum"], flags["weight-decay"], flags["smoothing"]) == (
+        "sgd", "0.9", "5e-05", "0.1")
+
+
+def test_upload_lag_bench_times_a_save_to_the_buckets_last_pt(tmp_path):
+    """A 2 MB checkpoint through the real upload process to moto_server, idle and beside one
+    load process: the bucket's last.pt holds each save's bytes, each lag covers the uploader's
+    own upload of the step file, and the load's rates give the slowdown in the table."""
+    report = tmp_path / "upload_lag.json"
+    result = bench("upload-lag", "--size-mb", "2", "--repeats", "1", "--nicenesses", "19",
+                   "--loads", "1", "--window", "1", "--json", str(report), timeout=300)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    [row] = data["rows"]
+    assert row["niceness"] == 19 and len(row["idle"]) == len(row["loaded"]) == 1
+    saves = row["idle"] + row["loaded"]
+    assert 2e6 < saves[0]["bytes"] < saves[1]["bytes"] < 2.1e6  # each save names itself
+    for save in saves:
+        assert save["sha256_last_pt"] == save["sha256_saved"]
+        assert 0 < save["lag_s"] < 60
+        assert 0 <= save["upload_s"] <= save["lag_s"] + 0.05  # the uploader's line, rounded
+    idle, loaded = row["idle"][0], row["loaded"][0]
+    assert idle["rate_before"] is None and loaded["rate_before"] > 0 < loaded["rate_during"]
+    assert row["work_slowdown"] == loaded["rate_before"] / loaded["rate_during"]
+    assert row["loaded_over_idle"] == loaded["lag_s"] / idle["lag_s"]
+    assert "loaded/idle" in result.stdout  # the table, printed

@@ -3,19 +3,30 @@ what it started, each report on disk the moment its part ends, the budget shared
 parts' commands accepted by the scripts they call (most can only run on a GPU); and the command
 itself on a machine without a GPU: it says so, with the parts that run anywhere."""
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
+from timm.layers import BlurPool2d
 
-from app.bench import gpu_check, gpu_tests
+from app.bench import gpu_check, gpu_tests, imagenette, peer_main, peers, photo_parts
 from app.bench.cli import build_parser
-from app.bench.part_runner import MIN_PART_S, STOP_S, Part, Paths, run_parts, sized, time_for
+from app.bench.part_runner import (MIN_PART_S, STOP_S, Part, Paths, part_environment, run_parts,
+                                   sized, time_for)
+from app.bench.part_summaries import imagenette_lines
+from app.catalog.shrink import shrink
 from app.config.sources import parse_config
+from app.models.factory import create_model_from_config
+from app.runtime.errors import UserError
 from conftest import REPO
 from test_bench import bench
 
@@ -107,8 +118,11 @@ def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
     parts = gpu_check.chosen("", gpu_check.BUDGET_S)
     tests = [p.name for p in parts].index("gpu_tests")
     assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s == parts[tests].reserved_s
-    assert [p.name for p in parts[tests + 1:]] == ["model", "model_steps", "sync_whole",
-                                                  "threads", "threads_per_gpu", "start"]
+    assert [p.name for p in parts[:tests]] == ["probe", "imagenette", "prepare", "gpus_ps",
+                                               "e2e"]
+    assert [p.name for p in parts[tests + 1:]] == [
+        "gpus_allreduce", "sync_regions", "dali_memory", "model", "model_steps", "sync_whole",
+        "threads", "threads_per_gpu", "start"]
     assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S
     for late_by in (0.0, STOP_S):
         left = gpu_check.BUDGET_S
@@ -134,7 +148,7 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
     """The parts can run only on a GPU: their command lines are checked here."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
     every = gpu_check.parts()
-    assert [p.name for p in every][:2] == ["probe", "prepare"]
+    assert [p.name for p in every][:3] == ["probe", "imagenette", "prepare"]
     for part in every:
         command = part.command(paths)
         assert command[0] == sys.executable, part.name
@@ -144,8 +158,28 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
         elif script == "driver.py":
             config, _ = parse_config(command[2:])
             assert config.run.output_dir.startswith(str(paths.work))  # not into --out
+        elif script == "app.bench.imagenette":
+            imagenette_runs_accept_their_flags(imagenette.parser().parse_args(command[3:]),
+                                               paths)
         else:
             assert script in ("app.bench.probe", "app.bench.dali_reserve", "pytest"), part.name
+
+
+def imagenette_runs_accept_their_flags(row, paths: Paths) -> None:
+    """The row as published, on the photos in --work: our driver's command parses to the
+    config's ResNet-50-D with BlurPool (built here), the peer's to torchvision's ResNet-50."""
+    assert (row.copy, row.seeds, row.device, row.target) == (
+        str(paths.work / "imagenette"), "0,1,2", "cuda:0", 0.8577)
+    setup = imagenette.setup_of(row)
+    config, _ = parse_config(peers.ours_command(setup, 0, paths.work, paths.work)[2:])
+    assert (config.model.arch, config.data.image_size, config.data.progressive_start_size,
+            config.train.batch_size, config.train.epochs, config.train.compile) == (
+        "resnet50d", 128, 96, 64, 5, "off")
+    model = create_model_from_config(config.model, 10, with_pretrained=False)
+    assert any(isinstance(module, BlurPool2d) for module in model.modules())
+    peer = peer_main.parse(peers.examples_command(setup, 0, paths.work, paths.work)[3:])
+    assert (peer.arch, peer.image_size, peer.batch_size, peer.epochs, peer.device) == (
+        "resnet50", 128, 64, 5, "cuda")
 
 
 def test_the_gpu_tests_report_holds_the_tests_that_ended_before_a_kill(tmp_path):
@@ -243,3 +277,116 @@ def test_gpu_check_on_a_machine_without_a_gpu_says_so(tmp_path):
     assert "- train: expected GPU 1,610 MiB, pinned 2,145 MiB (8 threads)" in summary
     refused = bench("gpu-check", "--parts", "nonsense", "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "unknown parts nonsense" in refused.stderr
+
+
+WNIDS = ("n01440764", "n02102040")  # Imagenette's first two classes
+TRAIN_EACH, VAL_EACH = 6, 3
+# the imagenette part at a tiny size on a CPU: one seed, one epoch, a small model for ours and
+# for the peer (the config's progressive resizing still trains at 96 px, evaluates at 128 px)
+REHEARSAL = ("--device", "cpu", "-a", "test_resnet", "--peer-arch", "resnet18", "--image-size",
+             "32", "-b", "4", "--epochs", "1", "-j", "0", "--seeds", "0")
+
+
+def tiny_photos(folder: Path) -> Path:
+    """Noisy 90x120 JPEGs in Imagenette's layout, one colour per class, larger than the copy's
+    48 px shorter side; one of them a PNG, which stays a PNG."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", TRAIN_EACH), ("val", VAL_EACH)):
+        for label, wnid in enumerate(WNIDS):
+            (folder / split / wnid).mkdir(parents=True)
+            for index in range(count):
+                pixels = rng.integers(0, 60, (90, 120, 3), dtype=np.uint8)
+                pixels[..., label] += 180
+                kind = "PNG" if (split, label, index) == ("train", 1, 0) else "JPEG"
+                Image.fromarray(pixels).save(folder / split / wnid / f"{split}_{index}.JPEG",
+                                             format=kind)
+    return folder
+
+
+def photo_names(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*.JPEG"))
+
+
+def test_photos_travel_in_parts_and_are_put_together_as_they_arrive(tmp_path):
+    """bin/bench.py photos: pack re-encodes (as make_shards --shorter-side) into parts no
+    larger than asked, never into a folder git would commit; receive unpacks each part as it
+    arrives, says what is still missing, and unpacks a part copied twice once."""
+    source = tiny_photos(tmp_path / "source")
+    with pytest.raises(UserError, match="not ignored by git"):
+        photo_parts.pack(source, REPO / "docs" / "photos-parts", 48, 2**20)
+    assert not (REPO / "docs" / "photos-parts").exists()
+    parts = tmp_path / "parts"
+    packed = bench("photos", "pack", str(source), "--out", str(parts), "--shorter-side", "48",
+                   "--part-size", "0.02", "-j", "1")
+    assert packed.returncode == 0, packed.stderr
+    manifests = photo_parts.manifests(parts)
+    assert len(manifests) >= 3 and f"in {len(manifests)} part(s)" in packed.stdout
+    assert [m["part"] for m in manifests] == list(range(1, len(manifests) + 1))
+    for manifest in manifests:  # each tar within the part size, as its manifest says
+        size = (parts / manifest["folder"] / photo_parts.PART_TAR).stat().st_size
+        assert size == manifest["bytes"] <= 0.02 * photo_parts.MIB
+    assert sum(m["photos"] for m in manifests) == len(WNIDS) * (TRAIN_EACH + VAL_EACH)
+    arrived, copy = tmp_path / "arrived", tmp_path / "work" / "imagenette"
+    for count, manifest in enumerate(manifests, 1):  # one part a copy, in any order: last first
+        shutil.copytree(parts / manifest["folder"], arrived / manifest["folder"])
+        received = bench("photos", "receive", str(arrived), "--into", str(copy))
+        assert received.returncode == 0, received.stderr
+        lacking = photo_parts.missing(copy)
+        assert (lacking == "") == (count == len(manifests)), lacking
+        if lacking:
+            assert f"of {len(manifests)}" in lacking and "lacks part(s)" in received.stdout
+    assert "the copy is whole: 18 photos" in received.stdout
+    with pytest.raises(UserError, match="holds files but no photos received"):
+        photo_parts.receive(arrived, source)  # never into a folder of other files
+    assert photo_names(copy) == photo_names(source)
+    for name in photo_names(source):  # the same code as make_shards --shorter-side
+        assert (copy / name).read_bytes() == shrink((source / name).read_bytes(), 48)
+        assert min(Image.open(copy / name).size) == 48
+    assert Image.open(copy / "train" / WNIDS[1] / "train_0.JPEG").format == "PNG"
+    (copy / "train" / WNIDS[0] / "train_0.JPEG").unlink()  # a part copied again: not unpacked
+    assert photo_parts.receive(arrived, copy)["missing"] == ""
+    assert not (copy / "train" / WNIDS[0] / "train_0.JPEG").exists()
+
+
+def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_received_photos(tmp_path):
+    """The imagenette part through gpu-check's runner, at a tiny size on a CPU: skipped, with
+    the reason, until the photos are whole; then ours and the peer train on them, each run's
+    top-1 after its epoch read from the photos' own val set (6 photos: a multiple of 1/6)."""
+    paths = Paths(tmp_path / "out", tmp_path / "work")
+    part = next(p for p in gpu_check.parts(gpu_check.Options(imagenette=REHEARSAL))
+                if p.name == "imagenette")
+    skipped = run_parts([part], 60, paths, part_environment(paths))[0]
+    assert skipped["status"] == "ok" and "no photos at" in skipped["figures"]["skipped"]
+    assert "imagenette: skipped: no photos at" in skipped["log_tail"]
+    photo_parts.pack(tiny_photos(tmp_path / "source"), tmp_path / "parts", 48, 2**20)
+    photo_parts.receive(tmp_path / "parts", paths.work / "imagenette")
+    # the runner tells the part its deadline: a long one, so that the peer's run fits however
+    # loaded this machine is
+    outcome = run_parts([dataclasses.replace(part, deadline_s=600)], 600, paths,
+                        part_environment(paths))[0]
+    assert outcome["status"] == "ok", outcome["log_tail"]
+    figures = outcome["figures"]
+    assert figures["deadline_s"] == 600 and figures["not_run"] == []
+    assert figures["root"] == str((paths.work / "imagenette").resolve())
+    assert figures["setup"]["config"] == "configs/imagenette_128_5.toml"
+    assert [(r["trainer"], r["seed"]) for r in figures["runs"]] == [("ours", 0), ("examples", 0)]
+    for run in figures["runs"]:
+        assert len(run["epoch_top1"]) == 1 and run["top1"] == run["epoch_top1"][0]
+        assert abs(run["top1"] * 6 - round(run["top1"] * 6)) < 1e-6 and 0 < run["wall_s"] < 600
+    summary = (paths.out / "summary.md").read_text()
+    assert "| trainer | seed | top-1 after epoch 1 | wall | time to 0.8577 |" in summary
+    assert f"| ours | 0 | {figures['runs'][0]['top1']:.4f} |" in summary
+
+
+def test_the_imagenette_part_starts_only_runs_expected_to_end_in_time():
+    """A trainer's later runs are expected to take its longest so far (with room); its first,
+    twice the longest of any; and what was left out is said in the summary."""
+    runs = [{"trainer": "ours", "wall_s": 30.0}, {"trainer": "ours", "wall_s": 40.0}]
+    assert imagenette.expected_s("ours", []) == 0.0  # the first run of all always starts
+    assert imagenette.expected_s("ours", runs) == 40.0 * imagenette.RUN_FACTOR
+    assert imagenette.expected_s("examples", runs) == 40.0 * imagenette.FIRST_RUN_FACTOR
+    figures = {"setup": {"epochs": 5}, "target": 0.8577, "runs": [], "summary": {},
+               "not_run": [{"trainer": "examples", "seed": 0, "expected_s": 80.0,
+                            "left_s": 31.0}]}
+    assert imagenette_lines(figures)[-1] == ("- not run, it would not end within the part's "
+                                             "deadline: examples seed 0 (~80 s, 31 s left)")

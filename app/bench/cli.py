@@ -12,6 +12,8 @@ from typing import Callable
 
 from app.bench.gpu_check_cli import add_gpu_check
 from app.bench.peers_cli import add_peers, peers_run
+from app.bench.photos_cli import add_photos
+from app.bench.upload_lag_cli import add_upload_lag, upload_lag_setup
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
@@ -31,6 +33,8 @@ EXAMPLES = """examples:
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
+  python bin/bench.py upload-lag --json upload_lag.json   # save -> bucket's last.pt, busy cores
+  python bin/bench.py photos pack ~/imagenette   # real photos in parts; `photos receive` there
 """
 
 
@@ -186,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
     add_peers(commands)
+    add_upload_lag(commands)
+    add_photos(commands)
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
         sub.add_argument("--json", help="also write the report to this file")
     return parser
@@ -304,6 +310,14 @@ def main(argv: list[str]) -> int:
     elif args.command == "peers":
         from app.bench import peers as bench  # noqa: PLC0415
         report = bench.run(*peers_run(args, build_parser().error), save)
+    elif args.command == "upload-lag":
+        from app.bench import upload_lag as bench  # noqa: PLC0415
+        report = bench.run(upload_lag_setup(args, build_parser().error), save)
+    elif args.command == "photos":
+        from app.bench import photo_parts as bench  # noqa: PLC0415
+        report = bench.pack(Path(args.source), Path(args.out), args.shorter_side,
+                            int(args.part_size * bench.MIB), args.workers) \
+            if args.action == "pack" else bench.receive(Path(args.parts), Path(args.into))
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,

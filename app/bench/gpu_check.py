@@ -2,19 +2,31 @@
 chooses (a new GPU box, a new cloud image, a driver upgrade). Its parts, in their order of
 value, run by app/bench/part_runner.py: a new measurement is one more entry in `parts()`.
 
-How the default 600 s are shared out (docs/benchmarks.md has the estimate per part). First the
-probe (seconds, and it says what the machine is even if nothing else runs); then the common
-first step, one short driver run that generates the bench sample and compiles ResNet-50 by
-regions at 224 px, batch 256 (train and eval graphs) into the compile cache every later part
-shares, so that each of them loads its graphs rather than compiling them (a fresh compile is
-about a minute); the `--gpus`-style runs; end to end per decoder; the sync modes by regions;
-what each DALI pipeline reserves; then the gpu tests, whose slice the runner reserves. Their
-deadlines, the time to kill the last part before the tests and the tests' slice add up to the
-default budget, so each gets its whole deadline even if every part before it runs to its own;
-a larger budget goes to the gpu tests (all of them need more than the slice). The extras
-(ResNet-50 model only beside the peer's numerics, the optimizer-step grid, the sync modes
-compiled whole, threads vs processes) come after the tests and run on what the parts before
-them left unused.
+How the default 600 s are shared out, part by part in order (docs/benchmarks.md has the
+estimate per part):
+
+- probe, 30 s: seconds, and it says what the machine is even if nothing else runs;
+- imagenette, 145 s: Imagenette's leaderboard row (128 px, 5 epochs), the project's first
+  published figure reproduced, on real photos that `bin/bench.py photos` brought into the work
+  folder. A seed is ~740 steps of ResNet-50-D at 96-128 px, batch 64, eager, at ~10-15 ms
+  (steps this short are bound by kernel launches and the optimizer: ~15 ms a step at batch 256
+  on an H100), so ~30-40 s with the start and five evaluations: three seeds, then
+  pytorch/examples' recipe while a run of it fits. Seconds without the photos;
+- prepare, 135 s: one short driver run that generates the bench sample and compiles ResNet-50
+  by regions at 224 px, batch 256 (train and eval graphs) into the compile cache every later
+  part shares, so that each of them loads its graphs rather than compiling them (a fresh
+  compile is about a minute);
+- gpus_ps, 55 s: two workers on one GPU with the parameter server, one short epoch;
+- e2e, 100 s: end to end per decoder;
+- gpu_tests, 115 s: the slice the runner reserves for them.
+
+Those deadlines, the time to kill the last part before the tests and the tests' slice add up to
+the default budget, so each gets its whole deadline even if every part before it runs to its
+own; a larger budget goes to the gpu tests (all of them need more than the slice). The extras
+(the same two workers with all-reduce, the sync modes by regions, what each DALI pipeline
+reserves, ResNet-50 model only beside the peer's numerics, the optimizer-step grid, the sync
+modes compiled whole, threads vs processes, the cost of a start) come after the tests and run
+on what the parts before them left unused.
 
 It needs only an interpreter with the training dependencies and pytest (app/bench/probe.py
 names them): no `make setup`, no network, whatever versions the machine has. Tests and parts
@@ -24,7 +36,9 @@ What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 class
 images) with a checksum comparison after every step; the end-to-end runs measure the peer and
 the model alone once for all decoders; the sync modes run without the 1-worker mode (two
 workers share the one GPU, so one worker's step is no baseline for theirs); the whole-model
-compiles (a fresh one, about a minute each) and the threads rows are extras; the
+compiles (a fresh one, about a minute each) and the threads rows are extras, and so are the
+all-reduce run, the sync modes by regions and DALI's reservations since the Imagenette row
+came before them (DALI's needs its wheels brought first in any case); the
 optimizer-step grid runs eagerly and without the peer's row (the step does not depend on the
 compile; the peer's fp32 cuDNN autotuning alone took 21 s); the gpu tests run fastest first,
 each with its own timeout. Parts that write JSON figures write them after each row, so a part
@@ -34,15 +48,16 @@ killed at its deadline keeps the rows that finished.
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.bench import gpu_tests
 from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts, sized
 from app.bench.part_runner import format_report as format_parts
-from app.bench.part_summaries import (dali_lines, e2e_lines, model_lines, probe_lines,
-                                      run_figures, run_lines, start_lines, sync_lines,
-                                      threads_lines)
+from app.bench.part_summaries import (dali_lines, e2e_lines, imagenette_lines, model_lines,
+                                      probe_lines, run_figures, run_lines, start_lines,
+                                      sync_lines, threads_lines)
 from app.bench.probe import check_requirements
 
 PYTHON = sys.executable
@@ -54,17 +69,21 @@ TRAIN = (*DATA, *RESNET, "--image-size", "224", "--classes", "40", "--epochs", "
 TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
 BUDGET_S = 600.0  # the default: ten minutes, a quick check of a new machine
 TESTS_S = 115.0  # the gpu tests' slice, reserved
+WORK = Path(tempfile.gettempdir()) / "imagenet-dp-gpu-check"  # the default --work
+PHOTOS = "imagenette"  # the real photos' copy in the work folder (bin/bench.py photos receive)
 
 
 @dataclass(frozen=True)
 class Options:
     """What a user sets of the parts: the gpu tests' processes (-n, with pytest-xdist) and
-    selection (-k), and the DALI pipelines whose reservations are measured."""
+    selection (-k), the DALI pipelines whose reservations are measured, and flags for the
+    imagenette part's command (a rehearsal on a CPU at a tiny size)."""
     test_processes: int = 4
     select: str = ""
     dali_threads: int = 8
     dali_batch: int = 256
     dali_sample: str = "tiny"
+    imagenette: tuple[str, ...] = ()
 
 
 def bench(*args: str) -> list[str]:
@@ -116,6 +135,17 @@ def dali_part(options: Options) -> Part:
                 summary=dali_lines)
 
 
+def imagenette_part(options: Options) -> Part:
+    def command(paths: Paths) -> list[str]:
+        return module("app.bench.imagenette", "--copy", str(paths.work / PHOTOS), "--json",
+                      str(paths.report("imagenette")), *options.imagenette)
+
+    return Part("imagenette", "Imagenette's leaderboard row, 128 px 5 epochs (target top-1 "
+                "0.8577): our ResNet-50-D recipe on the real photos, seeds 0, 1, 2, then "
+                "pytorch/examples' recipe while a run fits; skipped without the photos", 145,
+                command, summary=imagenette_lines)
+
+
 # Deadlines in s. The parts before gpu_tests, the time to kill the last of them (STOP_S) and
 # the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
 # before it runs to its own (tests/test_gpu_check.py checks).
@@ -125,6 +155,7 @@ def parts(options: Options = Options()) -> list[Part]:
         Part("probe", "versions, GPU, memory", 30,
              lambda p: module("app.bench.probe", "--json", str(p.report("probe"))),
              summary=probe_lines),
+        imagenette_part(options),
         Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
              "px, batch 256, one GPU, one short epoch", 135,
              lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
@@ -133,20 +164,20 @@ def parts(options: Options = Options()) -> list[Part]:
              "server over CUDA memory, one short epoch", 55,
              lambda p: driver(p, "gpus_ps", *TRAIN, *TWO_WORKERS, "--sync", "ps"),
              collect=run_figures, summary=run_lines),
-        Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
-             lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
-             collect=run_figures, summary=run_lines),
         Part("e2e", "ResNet-50 end to end per decoder (nvjpeg, pillow, dali if it imports) "
              "beside the pytorch/examples recipe and the model alone", 100,
              lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders",
                              "nvjpeg,pillow,dali", "--steps", "25", "--warmup", "5", "--json",
                              str(p.report("e2e"))),
              summary=e2e_lines),
+        tests_part(options),
+        # the extras: on whatever the parts above left unused
+        Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
+             lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
+             collect=run_figures, summary=run_lines),
         Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 45,
              lambda p: sync_bench(p, "sync_regions", "regions"), summary=sync_lines),
         dali_part(options),
-        tests_part(options),
-        # the extras: on whatever the parts above left unused
         Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
              "beside the pytorch/examples numerics", 120,
              lambda p: bench("model", *RESNET, "--steps", "20", "--warmup", "5", "--json",
@@ -223,4 +254,4 @@ def run(parts: list[Part], budget_s: float, out: Path, work: Path,
     return {"parts": outcomes, "summary": str(out / "summary.md"), "verdict": said}, code
 
 
-__all__ = ["Options", "chosen", "format_plan", "format_report", "parts", "run"]
+__all__ = ["PHOTOS", "WORK", "Options", "chosen", "format_plan", "format_report", "parts", "run"]

@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
-from app.bench.gpu_check import BUDGET_S
+from app.bench.gpu_check import BUDGET_S, PHOTOS, WORK
 
 
 def add_gpu_check(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "gpu-check", help="prove a GPU machine end to end within a time budget (a new GPU box, "
-        "a cloud image, a driver upgrade): what it is, --gpus-style runs, end to end per "
-        "decoder, sync overlap, DALI's memory, the gpu tests, then the extras; parts in their "
-        "order of value, each with its own deadline, each report written the moment it ends")
+        "a cloud image, a driver upgrade), parts in their order of value, each with its own "
+        "deadline, each report written the moment it ends: what it is (30 s), Imagenette's "
+        "128 px 5-epoch leaderboard row on real photos, 3 seeds and the peer while it fits "
+        f"(145 s; skipped unless `bench.py photos receive` put them in --work's {PHOTOS}/), "
+        "the bench sample and compile caches (135 s), two workers on one GPU (55 s), end to "
+        "end per decoder (100 s), the gpu tests (115 s, and what a larger budget adds), then "
+        "the extras in what is left (--list shows them)")
     check.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the "
                        f"parts (default {BUDGET_S:.0f}: a quick check of a new machine; a "
                        "larger budget gives the gpu tests more time, then the extras)")
     check.add_argument("--out", default="gpu-check", help="the report folder: <part>.json, "
                        "<part>.log, summary.md (small files only)")
-    check.add_argument("--work", default=str(Path(tempfile.gettempdir()) /
-                                             "imagenet-dp-gpu-check"),
-                       help="compile caches, the generated sample and run folders (kept out of "
-                       "--out)")
+    check.add_argument("--work", default=str(WORK), help="compile caches, the generated "
+                       f"sample, run folders and the real photos ({PHOTOS}/; kept out of --out)")
     check.add_argument("--archive", help="also pack the report folder into this .tar.gz after "
                        "each part")
     check.add_argument("--parts", default="", help="only these, comma-separated (bin/bench.py "

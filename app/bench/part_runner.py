@@ -2,7 +2,9 @@
 the parts: adding one is one entry in a list). Parts run in their order, each in a process group
 of its own with its own deadline, cut shorter when the budget runs low; a part may reserve time
 (the gpu tests do), which the parts before it cannot use, however long they run. Each part
-starts with its run folder and report cleared (a rerun must not read the last run's metrics).
+starts with its run folder and report cleared (a rerun must not read the last run's metrics),
+and is told its deadline (IMAGENET_DP_PART_DEADLINE_S), so that it can leave out a run that
+would not end in time rather than be killed in it.
 As each part ends (finished, failed or killed at its deadline) its report is written:
 `<part>.json` (outcome, seconds, command, the figures it produced, its log's tail) beside
 `<part>.log`, and `summary.md` is rewritten with every part so far. A run cut short (the budget
@@ -33,6 +35,8 @@ GRACE_S = 10.0  # between SIGTERM and SIGKILL for a part past its deadline
 STOP_S = 2 * GRACE_S  # the longest a part killed at its deadline takes to be gone
 MIN_PART_S = 5.0  # a part is not started with less than this for it (or its whole deadline)
 LOG_TAIL = 3000  # characters of a part's log kept in its report
+# a part's deadline in s, told to its command, which may then start only what will end in time
+DEADLINE_ENV = "IMAGENET_DP_PART_DEADLINE_S"
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -
     paths.clear(part.name)
     command = part.command(paths)
     started = time.monotonic()
-    code, ending = run_command(command, log, deadline_s, {**env, **part.env})
+    code, ending = run_command(command, log, deadline_s,
+                               {**env, **part.env, DEADLINE_ENV: f"{deadline_s:.0f}"})
     seconds = time.monotonic() - started
     try:
         figures = part.collect(paths, part.name)

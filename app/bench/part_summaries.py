@@ -139,3 +139,28 @@ def start_lines(f: dict) -> list[str]:
     """bin/bench.py start's rows: the machine's CPU seconds and the time to the first step."""
     return [f"- {row['label']}: {row['median_cpu_s']:.1f} CPU-s, first step after "
             f"{row['median_first_step_s']:.1f} s" for row in f.get("rows", [])]
+
+
+def imagenette_lines(f: dict) -> list[str]:
+    """Each run's top-1 after its last epoch and wall time, then ours beside the target."""
+    if "skipped" in f:
+        return [f"- skipped: {f['skipped']}"]
+    epochs, target = f["setup"]["epochs"], f["target"]
+    lines = [f"| trainer | seed | top-1 after epoch {epochs} | wall | time to {target} |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['trainer']} | {r['seed']} | {r['top1']:.4f}"
+              + ("" if len(r["epoch_top1"]) == epochs else
+                 f" (after {len(r['epoch_top1'])} epochs)")
+              + f" | {r['wall_s']:.0f} s | {reached_in(r['time_to_target_s'])} |"
+              for r in f["runs"]]
+    for trainer, row in f["summary"].items():
+        lines.append(f"- {trainer}: top-1 {row['top1_mean']:.4f} (min {row['top1_min']:.4f}, "
+                     f"max {row['top1_max']:.4f}) over {row['seeds']} seed(s), target "
+                     f"{target}; {row['wall_s_mean']:.0f} s a run")
+    return lines + [f"- not run, it would not end within the part's deadline: {r['trainer']} "
+                    f"seed {r['seed']} (~{r['expected_s']:.0f} s, {r['left_s']:.0f} s left)"
+                    for r in f.get("not_run", [])]
+
+
+def reached_in(seconds: float | None) -> str:
+    return "not reached" if seconds is None else f"{seconds:.0f} s"

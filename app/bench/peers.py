@@ -4,7 +4,10 @@
 - pytorch/examples: its imagenet/main.py recipe in one process (app/bench/peer_main.py:
   torchvision's transforms and model, SGD 0.1 with a step schedule, DataLoader processes);
 - timm: its train.py, from a pytorch-image-models checkout named by `--timm-train` (it is not
-  part of the timm package), with its own defaults.
+  part of the timm package), with its own defaults; or, with `--peer-recipe ours`, with our
+  config's recipe in its own flags (timm_recipe_flags): then the two runs differ only in the
+  trainer, which is the comparison that isolates it (main.py has no flags for a schedule or
+  label smoothing, so it keeps its own recipe either way).
 
 Same model, epochs, batch size, image size and loader processes; anything else is each
 trainer's own recipe, as its users run it. One run per seed and trainer, interleaved (seed 0:
@@ -47,6 +50,7 @@ class Setup:
     timm_train: str = ""  # pytorch-image-models' train.py
     device: str = "cpu"  # or cuda: one GPU each
     peer_arch: str = ""  # the peers' model where ours is one torchvision lacks (resnet50d)
+    peer_recipe: str = "own"  # "ours": timm's train.py runs our config's recipe
 
 
 def imagefolder_root(setup: Setup) -> Path:
@@ -77,17 +81,50 @@ def examples_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str
 
 def timm_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
     # train.py's defaults otherwise, but for its 5 warmup epochs: as long as a short run itself
+    recipe = timm_recipe_flags(setup) if setup.peer_recipe == "ours" else (
+        "--epochs", str(setup.epochs), "--warmup-epochs", str(min(5, max(1, setup.epochs // 5))))
     return [sys.executable, setup.timm_train, "--data-dir", str(root), "--train-split", "train",
             "--val-split", "val", "--model", peer_arch(setup), "--num-classes",
             str(classes(root)),
             "--img-size", str(setup.image_size),
-            "-b", str(setup.batch_size), "--epochs", str(setup.epochs),
-            "--warmup-epochs", str(min(5, max(1, setup.epochs // 5))),
+            "-b", str(setup.batch_size), *recipe,
             "-j", str(setup.workers), "--seed", str(seed), "--output", str(out),
             "--experiment", "peers", "--checkpoint-hist", "1", "--log-interval", "50",
             # on a GPU, what timm's README runs: its CUDA prefetcher, AMP, channels_last
             *(("--device", "cuda", "--amp", "--channels-last") if setup.device.startswith("cuda")
               else ("--device", "cpu", "--no-prefetcher"))]
+
+
+RECIPES = {"own": "each its own default", "ours": "timm's train.py ours, main.py its own"}
+
+
+def timm_recipe_flags(setup: Setup) -> tuple[str, ...]:
+    """Our config's recipe in train.py's flags. FFCV's one-cycle (linear up to the peak epoch,
+    linear down to zero at the last) is train.py's `poly` schedule of power 1 after a warmup
+    prefix of the peak's epochs (a prefix adds its epochs to --epochs, hence the difference),
+    stepped per update; timm's `sgd` is Nesterov's and keeps norms and biases out of the
+    decay, as ours; its LR is absolute (ours is per 256 images); no colour jitter, as ours.
+    Progressive resizing has no train.py flag: a recipe with it is refused."""
+    from app.config.sources import file_overrides, make_config  # noqa: PLC0415
+    from app.data.resolution import DEFAULT_CROP_FRACTION  # noqa: PLC0415
+    config = make_config(file_overrides(str(REPO / setup.config)))
+    optim, data = config.optim, config.data
+    peak = round(optim.lr_peak_epoch)
+    crop = data.val_crop_size or setup.image_size
+    if optim.schedule != "ffcv" or optim.optimizer != "sgd" or not optim.nesterov \
+            or peak != optim.lr_peak_epoch or not 0 < peak < setup.epochs \
+            or data.progressive_start_size:
+        raise SystemExit(f"peers --peer-recipe ours: {setup.config} must be SGD with Nesterov "
+                         "momentum and the ffcv schedule peaking at a whole epoch before the "
+                         "last, without progressive resizing (train.py has no flags for the rest)")
+    return ("--epochs", str(setup.epochs - peak), "--warmup-epochs", str(peak),
+            "--warmup-prefix", "--warmup-lr", "0", "--sched", "poly", "--decay-rate", "1",
+            "--min-lr", "0", "--sched-on-updates", "--opt", "sgd",
+            "--lr", f"{optim.lr * setup.batch_size / 256:g}", "--momentum", f"{optim.momentum:g}",
+            "--weight-decay", f"{optim.weight_decay:g}",
+            "--smoothing", f"{optim.label_smoothing:g}", "--color-jitter", "0",
+            # our val centre crop's share of the resized side (timm's resnet18 default: 0.95)
+            "--crop-pct", f"{crop / (data.val_resize_size or crop / DEFAULT_CROP_FRACTION):.4f}")
 
 
 def peer_arch(setup: Setup) -> str:
@@ -154,17 +191,27 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
 def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
         save: Callable[[dict], None]) -> dict:
     root = imagefolder_root(setup)
-    report: dict = {"setup": asdict(setup), "root": str(root), "target": target, "runs": [],
-                    "summary": {}}
+    report = new_report(setup, root, target)
     for seed in seeds:
         for trainer in trainers:
-            result = run_one(trainer, setup, seed, root, target)
-            print(f"{trainer:9s} seed {seed}: top-1 {result['top1']:.4f}  "
-                  f"{result['wall_s']:.0f} s", flush=True)
-            report["runs"].append(result)
-            report["summary"] = summarise(report["runs"], trainers)
-            save(report)
+            record(report, run_one(trainer, setup, seed, root, target), trainers, save)
     return report
+
+
+def new_report(setup: Setup, root: Path, target: float) -> dict:
+    return {"setup": asdict(setup), "root": str(root), "target": target, "runs": [],
+            "summary": {}}
+
+
+def record(report: dict, result: dict, trainers: list[str],
+           save: Callable[[dict], None]) -> None:
+    """A finished run: its line printed, the report with its summary saved whole (a run cut
+    short later keeps the runs that finished)."""
+    print(f"{result['trainer']:9s} seed {result['seed']}: top-1 {result['top1']:.4f}  "
+          f"{result['wall_s']:.0f} s", flush=True)
+    report["runs"].append(result)
+    report["summary"] = summarise(report["runs"], trainers)
+    save(report)
 
 
 def summarise(runs: list[dict], trainers: list[str]) -> dict:
@@ -197,7 +244,8 @@ def format_report(report: dict) -> str:
     setup = report["setup"]
     models = setup["arch"] + (f" (peers: {setup['peer_arch']})" if setup.get("peer_arch") else "")
     lines = [f"{models}, {setup['image_size']} px, {setup['epochs']} epochs, batch "
-             f"{setup['batch_size']}, -j {setup['workers']}, {report['root']}",
+             f"{setup['batch_size']}, -j {setup['workers']}, {report['root']}; the peers' "
+             f"recipes: {RECIPES[setup.get('peer_recipe', 'own')]}",
              f"{'trainer':10s} {'seeds':>5s} {'top-1 mean':>10s} {'min-max':>15s} "
              f"{'wall s':>8s} {'wall vs first':>14s}"
              + (f" {'at target':>9s} {'time to it':>10s}" if report["target"] else "")]

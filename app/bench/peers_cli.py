@@ -35,6 +35,10 @@ def add_peers(commands: argparse._SubParsersAction) -> None:
                        "GPU (timm's train.py with --amp --channels-last, as its README runs)")
     peers.add_argument("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
                        "leaderboard's 128 px 5 epochs): also the time each run takes to reach it")
+    peers.add_argument("--peer-recipe", choices=("own", "ours"), default="own",
+                       help="own: each peer runs its own default recipe (what its users get); "
+                       "ours: timm's train.py runs our config's recipe (schedule, LR, "
+                       "smoothing, decay, augmentation), so that only the trainer differs")
     peers.add_argument("--json", help="also write the report to this file, after each run")
 
 
@@ -50,5 +54,5 @@ def peers_run(args: argparse.Namespace, error: Callable[[str], None]
     setup = Setup(args.catalog, args.dataset, args.config, args.arch, args.image_size,
                   args.batch_size, args.epochs, args.workers,
                   str(Path(args.timm_train).resolve()) if args.timm_train else "", args.device,
-                  args.peer_arch)
+                  args.peer_arch, args.peer_recipe)
     return setup, trainers, [int(seed) for seed in args.seeds.split(",") if seed], args.target
