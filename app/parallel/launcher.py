@@ -4,8 +4,9 @@ and watches them.
 The driver starts every process from the run's forkserver (app/runtime/forkserver.py: imported
 once, then forked in milliseconds; never a fork of the driver itself, which may hold CUDA or an
 S3 client) and then only watches: if any process dies, all others are stopped within seconds
-and the driver exits non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 to
-the driver ask the workers to save and stop. What runs inside a worker is the caller's `target`
+and the driver exits non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 ask
+the workers to save and stop, whether they reach the driver alone or every process of the run
+(the children leave them to the driver, which ends them with SIGKILL when it must). What runs inside a worker is the caller's `target`
 (app/launch/worker.py for training).
 """
 
@@ -32,30 +33,33 @@ from app.runtime import forkserver
 from app.runtime.cli import end_process, kill_daemon_children
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
-from app.runtime.interrupts import (PREEMPTED_EXIT_CODE, STOP_SIGNALS, Interval, SharedRequests,
-                                    note_stop_signal)
+from app.runtime.interrupts import (PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, STOP_SIGNALS, Interval,
+                                    SharedRequests, ignore_stop_signals, note_stop_signal)
 from app.runtime.liveness import descendants, die_with_parent, is_alive
 from app.runtime.moments import moment
 from app.runtime.spawning import main_module_spawn_can_run
 
 log = logging.getLogger("imagenet_dp")
-STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
+STOP_GRACE_S = 3.0  # for a killed child to be reaped
 
 
 def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
                 environ: dict[str, str], server: int) -> None:
     """Wraps every child: takes the driver's environment as it was when the child was started,
-    dies with the forkserver `server` (which ends with the driver), leaves Ctrl-C and SIGUSR1 to
-    the driver (a terminal and Slurm's --signal reach every process, not only the driver), and
-    reports why it failed before exiting non-zero."""
+    dies with the forkserver `server` (which ends with the driver), leaves every stop signal to
+    the driver (a terminal's Ctrl-C, Slurm's preemption and --signal, systemd's stop of a
+    machine and `kill -- -PGID` reach every process, not only the driver: each is the same
+    request to save, which the driver passes on as a step to stop after), and reports why it
+    failed before exiting non-zero. The driver ends a child with SIGKILL (stop_all)."""
     forkserver.apply_environ(environ)
     forkserver.forget_server()
     die_with_parent()
     if os.getppid() != server:  # the server (and the driver) went before the line above
         os._exit(1)
+    # Ignored before unblocked: one sent to every process while this child started (blocked
+    # since the fork) is dropped here; the driver got it too.
+    ignore_stop_signals()
     forkserver.unblock_stop_signals()
-    for signum in (signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         code = target(*args) or 0
@@ -173,6 +177,7 @@ class StopSignals:
 
     def __init__(self):
         self.received: int | None = None
+        self.received_at = 0.0
         self.count = 0
         self.wakeup, self._notify = os.pipe()
         for fd in (self.wakeup, self._notify):
@@ -181,7 +186,12 @@ class StopSignals:
 
     def handle(self, signum, _frame) -> None:
         note_stop_signal()
-        self.received = signum
+        now = time.monotonic()
+        # One request may reach the driver twice within milliseconds: Slurm signals every
+        # process of a step and srun (or torchrun) passes on what it got as well.
+        if self.received is not None and now - self.received_at <= REPEAT_WINDOW_S:
+            return
+        self.received, self.received_at = signum, now
         self.count += 1
         try:
             os.write(self._notify, b"!")
@@ -300,25 +310,22 @@ def has_failed(child: Child) -> bool:
 
 
 def stop_all(children: list[Child]) -> set[str]:
-    """SIGTERM every child, SIGKILL what is left after STOP_GRACE_S, including grandchildren
-    (data loader workers) found before their parents went away. Returns the names of the
-    children these signals ended (not those that were ending anyway)."""
+    """SIGKILL every child, and the grandchildren (data loader workers) found before their
+    parents went away: the stop signals are the run's requests to save, which children leave
+    to the driver, so its order to end is one that no scheduler sends as a request. (A child
+    has nothing to tidy at this point: the run is failing or was told to stop at once.)
+    Returns the names of the children this ended (not those that were ending anyway)."""
     alive = [c for c in children if c.process.exitcode is None]
     below = [pid for c in alive for pid in descendants(c.process.pid)]
     for child in alive:
-        child.process.terminate()
+        child.process.kill()
     deadline = time.monotonic() + STOP_GRACE_S
     for child in alive:
         child.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    killed = {c.name for c in alive if c.process.exitcode is None}
-    for child in alive:
-        if child.name in killed:
-            child.process.kill()
-            child.process.join(timeout=STOP_GRACE_S)
     for pid in below:
         if is_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return killed | {c.name for c in alive if c.process.exitcode == -signal.SIGTERM}
+    return {c.name for c in alive if c.process.exitcode in (None, -signal.SIGKILL)}
