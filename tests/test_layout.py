@@ -251,3 +251,30 @@ def test_pillow_loader_processes_load_no_torchvision_or_timm():
         for module in reached_from(start, graph):
             names = external_imports(ast.parse(files[module].read_text()), top_level_only=True)
             assert not names & {"torchvision", "timm"}, (start, module)
+
+
+# Words of the team's own process, not of a user's machines: issue numbers, the development
+# machine, how GPU machines were come by.
+NOT_THE_PRODUCTS = re.compile(r"\bissues? #?\d+|\b(?:the )?2-core test machine\b|GPU machine's "
+                              r"\d|\blent\b|a quick check of a new machine", re.IGNORECASE)
+
+
+def product_texts() -> list[Path]:
+    return [REPO / "README.md", *(REPO / "bin").glob("*.py"), *(REPO / "configs").glob("*"),
+            *APP.rglob("*.py")]
+
+
+def test_the_product_speaks_of_its_users_machines_not_of_the_teams():
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in product_texts()
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if NOT_THE_PRODUCTS.search(line)]
+    assert found == []
+
+
+def test_the_words_rule_finds_an_issue_number_and_the_machine():
+    for line in ("as before issue 18", "Issue #7 asked for it", "on the 2-core test machine",
+                 "like the GPU machine's 2.11", "when a GPU is lent"):
+        assert NOT_THE_PRODUCTS.search(line), line
+    for line in ("an issue with the bucket", "the machine's 2 cores", "a GPU machine of yours"):
+        assert not NOT_THE_PRODUCTS.search(line), line

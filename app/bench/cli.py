@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
                          "traces and differentiates, generates no code")
     sync.add_argument("--compile", default="off", choices=("off", "whole", "regions"),
-                      help="torch.compile the model whole (as before issue 18) or by regions")
+                      help="torch.compile the model whole or by regions (each block of the stages)")
     loader = commands.add_parser("loader", help="loader-only images/s of one or more datasets")
     loader.add_argument("--catalog", default="datasets.toml")
     loader.add_argument("--dataset", action="append", required=True,

@@ -1,4 +1,4 @@
-"""What compiling costs and gives, whole model (as before issue 18) vs regions (each block
+"""What compiling costs and gives, whole model vs regions (each block
 of the stages, app/training/speed.py), with eager beside them: the first step, compilation
 included, and the median and the best step after it (forward, backward, SGD step on a
 synthetic batch). On a machine shared with other work, trust the best step and the first step's
@@ -31,7 +31,7 @@ SETTINGS = ("off", "whole", "regions")
 
 def compiled(model: nn.Module, setting: str, batch_size: int, backend: str) -> nn.Module:
     """The module that runs `model` under `setting` (model may be wrapped by DDP)."""
-    if setting == "whole":  # what CompiledForFullBatches did before issue 18
+    if setting == "whole":  # one graph of the whole model
         return torch.compile(model, backend=backend, dynamic=False)
     if setting == "regions":
         return CompiledForFullBatches(model, batch_size, backend)

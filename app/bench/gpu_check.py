@@ -67,7 +67,7 @@ RESNET = ("-a", "resnet50", "-b", "256")
 TRAIN = (*DATA, *RESNET, "--image-size", "224", "--classes", "40", "--epochs", "1", "-p", "1",
          "--decoder", "nvjpeg")
 TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
-BUDGET_S = 600.0  # the default: ten minutes, a quick check of a new machine
+BUDGET_S = 600.0  # the default: ten minutes
 TESTS_S = 115.0  # the gpu tests' slice, reserved
 WORK = Path(tempfile.gettempdir()) / "imagenet-dp-gpu-check"  # the default --work
 PHOTOS = "imagenette"  # the real photos' copy in the work folder (bin/bench.py photos receive)

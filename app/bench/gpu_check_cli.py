@@ -18,10 +18,10 @@ def add_gpu_check(commands: argparse._SubParsersAction) -> None:
         "end per decoder (100 s), the gpu tests (115 s, and what a larger budget adds), then "
         "the extras in what is left (--list shows them)")
     check.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the "
-                       f"parts (default {BUDGET_S:.0f}: a quick check of a new machine; a "
+                       f"parts (default {BUDGET_S:.0f}; a "
                        "larger budget gives the gpu tests more time, then the extras)")
     check.add_argument("--out", default="gpu-check", help="the report folder: <part>.json, "
-                       "<part>.log, summary.md (small files only)")
+                       "<part>.log, summary.md")
     check.add_argument("--work", default=str(WORK), help="compile caches, the generated "
                        f"sample, run folders and the real photos ({PHOTOS}/; kept out of --out)")
     check.add_argument("--archive", help="also pack the report folder into this .tar.gz after "

@@ -41,7 +41,7 @@ DEADLINE_ENV = "IMAGENET_DP_PART_DEADLINE_S"
 
 @dataclass(frozen=True)
 class Paths:
-    out: Path  # reports: small files only
+    out: Path  # reports: small files, to copy off the machine
     work: Path  # caches, samples, run folders
     # `out` packed into one .tar.gz after each part: one file to copy off the machine
     archive: Path | None = None

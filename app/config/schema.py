@@ -146,7 +146,7 @@ class ModelConfig:
     pretrained: str = param("", "start from these weights (a checkpoint, an export folder, a "
                             "timm/torchvision state dict .pth or .safetensors; a path or any "
                             "fsspec URL): a new run, a head of another class count re-initialised")
-    # The loss sits here, as issue 20 groups it with the model options of timm's recipes.
+    # The loss sits with the model options, as timm's recipes group it.
     bce_loss: bool = param(False, "timm's BinaryCrossEntropy (its A1-A3 recipes) instead of "
                            "cross-entropy; --label-smoothing and mixup/cutmix targets as "
                            "timm's train.py feeds it")

@@ -93,8 +93,8 @@ def read_export(folder: str) -> SavedWeights:
 
 
 def spec_of_checkpoint(payload: dict) -> ModelSpec:
-    """The spec of a checkpoint written by app/training/run_state.py. Class names are stored since
-    issue 21; older checkpoints leave them empty."""
+    """The spec of a checkpoint written by app/training/run_state.py. Older checkpoints, written
+    before class names were stored, leave them empty."""
     config = payload.get("config") or {}
     data, model = config.get("data") or {}, config.get("model") or {}
     sizes = resolve(data.get("image_size") or 224, val_resize=data.get("val_resize_size", 0),

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def no_forward_buffer_sync() -> dict[str, bool]:
     """Buffers are synced once at construction, never in forward. torch 2.14 renamed the
-    option (forward_sync_buffers); older releases, like the GPU machine's 2.11, only know
+    option (forward_sync_buffers); older releases (2.11, for one) only know
     broadcast_buffers."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": False}

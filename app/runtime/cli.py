@@ -39,7 +39,7 @@ def end_process(code: int) -> NoReturn:
     and joins what is left of this process's children and flushes their queues, logging's
     flushes), the output is flushed, and then the process ends at once. The interpreter's
     own teardown (collecting every module, the CUDA libraries' exit handlers) is skipped: it
-    took 3.6 s on the 2-core test machine after a failed run had printed its error, and a
+    took 3.6 s on a 2-core machine after a failed run had printed its error, and a
     scheduler holds the job, and its nodes, until the process is gone (docs/benchmarks.md).
 
     Daemon children still running (loader processes, after a failure) are killed first:
