@@ -1,4 +1,4 @@
-"""Datasets from an archive URL (app/catalog/archive.py, download.py): downloaded from a real
+"""Datasets from an archive URL (app/catalog/archive.py, fetcher.py): downloaded from a real
 HTTP server on loopback (tests/file_server.py), verified, unpacked into the cache on first use
 and opened as an ImageFolder; every failure one line, and nothing half-made left behind.
 
@@ -23,7 +23,7 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 import app
-from app.catalog import Catalog, archive
+from app.catalog import Catalog, archive, fetcher
 from app.catalog.tables import load_tables
 from app.runtime.errors import UserError
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, write_catalog
@@ -104,10 +104,14 @@ def body_gets(server, name: str) -> list[dict]:
 
 
 def cache_files(tmp_path: Path) -> list[str]:
-    """What the archive cache holds besides lock files."""
-    folder = tmp_path / "cache" / "archives"
-    return sorted(p.name for p in folder.iterdir() if p.suffix != ".lock") \
-        if folder.is_dir() else []
+    """What the archive cache's folders (one per URL) hold besides lock files."""
+    return sorted(p.name for p in (tmp_path / "cache" / "archives").glob("*/*")
+                  if p.suffix != ".lock")
+
+
+def fetched_path(tmp_path: Path, url: str) -> Path:
+    """Where the fetcher puts the archive at `url` for the entries of `catalog_of`."""
+    return fetcher.cached_path(url, "archives", tmp_path / "cache")
 
 
 def assert_opened_whole(root, photos) -> None:
@@ -127,7 +131,8 @@ def test_first_use_downloads_verifies_unpacks_and_later_runs_make_no_request(
     catalog = catalog_of(tmp_path, server.url("first.tgz"), md5=checksums["md5"])
     lines: list[str] = []
     root = catalog.open("net", report=lines.append)
-    folder = tmp_path / "cache" / "archives" / f"first-{checksums['md5'][:8]}"
+    folder = fetched_path(tmp_path, server.url("first.tgz")).with_name(
+        f"first-{checksums['md5'][:8]}")
     assert root.url == str(folder) and root.layout == "imagefolder"
     size = sizeof((server.folder / "first.tgz").stat().st_size)
     assert lines == [f"downloading {server.url('first.tgz')} ({size}) into {folder.parent} "
@@ -168,7 +173,7 @@ def test_a_wrong_checksum_removes_the_download_and_the_next_run_downloads_again(
         catalog_of(tmp_path, server.url("wrong.tgz"), sha256="0" * 64).open("net")
     assert str(error.value) == (
         f"{server.url('wrong.tgz')} has sha256 {checksums['sha256']}, but the catalog expects "
-        f"{'0' * 64}; removed the download (the next run downloads it again); if the archive "
+        f"{'0' * 64}; removed the download (the next run downloads it again); if the file "
         f"changed at its source, update `sha256` of [datasets.net] in {tmp_path}/datasets.toml")
     assert cache_files(tmp_path) == []
     fixed = catalog_of(tmp_path, server.url("wrong.tgz"), sha256=checksums["sha256"])
@@ -188,7 +193,7 @@ def test_a_cut_download_is_continued_with_a_range_request(server, photos, tmp_pa
     catalog = catalog_of(tmp_path, server.url("cut.tgz?cut=1"), md5=checksums["md5"])
     with pytest.raises(UserError) as error:
         catalog.open("net")
-    part = tmp_path / "cache" / "archives" / f"cut-{checksums['md5'][:8]}.tgz.part"
+    part = fetched_path(tmp_path, server.url("cut.tgz?cut=1")).with_name("cut.tgz.part")
     kept = part.stat().st_size
     assert 0 < kept <= size // 2
     assert str(error.value).startswith(
@@ -304,11 +309,11 @@ def test_a_full_disk_leaves_nothing_half_made_and_says_what_is_needed(
     assert process.returncode == 2 and "Traceback" not in err
     assert len(reported) == (2 if stage == "unpack" else 1)  # downloading (, unpacking)
     unpacked = sum(len(data) for data in photos.values()) + 400_000
-    needs = f"and unpacks to {sizeof(unpacked)}" if stage == "unpack" else \
-        ", and about as much again to unpack it"
-    assert line == (f"error: no room left in {tmp_path}/cache/archives for {server.url(name)} "
-                    "(File too large): the archive takes "
-                    f"{sizeof((server.folder / name).stat().st_size)}{' ' * (stage == 'unpack')}"
+    taken = sizeof((server.folder / name).stat().st_size)
+    needs = f"the archive takes {taken} and unpacks to {sizeof(unpacked)}" \
+        if stage == "unpack" else f"the file takes {taken}"
+    assert line == (f"error: no room left in {fetched_path(tmp_path, server.url(name)).parent} "
+                    f"for {server.url(name)} (File too large): "
                     f"{needs}; free space there, or set IMAGENET_DP_CACHE or `cache_dir` of "
                     f"[datasets.net] in {tmp_path}/datasets.toml to a folder with room")
     assert cache_files(tmp_path) == []  # no part, no half-unpacked folder
@@ -341,7 +346,7 @@ def test_a_wait_for_another_download_is_bounded(server, tmp_path, monkeypatch):
     folder = archive.cache_folder(archive.Archive(server.url("held.tgz"), "md5", "0" * 32, ""),
                                   tmp_path / "cache")
     folder.parent.mkdir(parents=True)
-    monkeypatch.setattr(archive, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(fetcher, "LOCK_WAIT_S", 0.3)
     lines: list[str] = []
     with FileLock(f"{folder}.lock"), pytest.raises(UserError) as error:
         catalog.open("net", report=lines.append)

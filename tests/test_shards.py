@@ -5,7 +5,6 @@ SIGTERM with both decoders, bad samples and damaged shards."""
 
 import io
 import json
-import os
 import re
 import shutil
 import tarfile
@@ -307,7 +306,6 @@ def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(
     batches = WindowedBatches(frame.shard.to_numpy(), 8, window=1)
     samples = ShardSamples(root, frame, batches)
     windows = [int(w[0]) for w in batches.windows(0)]
-    data = samples.store.folder / "data"
     for k, shard in enumerate(windows[:-1]):
         time.sleep(0.02)  # file times tick in jiffies: keep the windows' uses apart
         rows = batches.rows_of(np.array([shard]))[:3].tolist()
@@ -315,10 +313,10 @@ def test_the_shard_cache_keeps_its_bound_and_evicts_the_least_recently_used(
             pq.read_table(files[shard])["image"].to_pylist()[n]["bytes"]
             for n in frame.path[rows].str.rsplit("#", n=1).str[1].astype(int)]
         samples._prefetch.join()  # noqa: SLF001 (the next window fetched, the cache trimmed)
-        held = {entry.name for entry in os.scandir(data) if not entry.name.startswith(".")}
-        assert held == {f"data__{files[w].name}"
+        held = set(samples.store.data_files())  # the unpacked shards, nothing else
+        assert held == {samples.store.data_path(f"data/{files[w].name}")
                         for w in windows[max(0, k - 2):k + 2]}, k
-        assert samples.store.used_bytes() <= bound
+        assert sum(file.stat().st_size for file in held) <= bound
 
 
 @pytest.fixture

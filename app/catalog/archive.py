@@ -1,27 +1,20 @@
 """A dataset that arrives as one archive (.tgz, .tar.gz, .tar or .zip) at any URL the catalog
-reads (https://, s3://, a local path, ...): downloaded (app/catalog/download.py: continued
-where a download was cut), verified against its checksum and unpacked into the dataset cache by
-the first run that asks for it; later runs open the unpacked folder and make no request.
+reads (https://, s3://, a local path, ...): fetched by app/catalog/fetcher.py (once per machine,
+a cut download continued, verified against its checksum), unpacked here by the first run that
+asks for it; later runs open the unpacked folder and make no request. Beside the download:
 
-The cache (the entry's `cache_dir`, else IMAGENET_DP_CACHE or ~/.cache/imagenet-dp):
+    archives/<16 hex>/imagenette2-320-3df6f0d0/       the dataset: train/<wnid>/, val/<wnid>/
+    archives/<16 hex>/imagenette2-320-3df6f0d0.lock   flock of the process that unpacks it
+    archives/<16 hex>/.imagenette2-320-3df6f0d0-*/    the unpack while it runs
 
-    archives/imagenette2-320-3df6f0d0/          the dataset: train/<wnid>/, val/<wnid>/, ...
-    archives/imagenette2-320-3df6f0d0.lock      flock of the process that fetches it
-    archives/imagenette2-320-3df6f0d0.tgz.part  the download while it runs, or where it was cut
-    archives/.imagenette2-320-3df6f0d0-*/       the unpack while it runs
-
-The folder is named by the archive's file name and the first 8 hex digits of its checksum, so
-two entries share it only when they name the same bytes. It appears by one rename once the
-archive is verified, unpacked and holds the ImageFolder layout (at its root or under its one top
-folder): a folder that exists is whole. The downloaded archive is removed after unpacking.
-
-Several processes asking at once (the ranks of a run, two runs) download it once: the first
-takes the lock, the others wait for it, at most LOCK_WAIT_S, and then find the folder made.
+The folder is named by the archive's file name and the first 8 hex digits of its checksum (a
+changed checksum unpacks anew); it appears by one rename once the archive is unpacked and holds
+the ImageFolder layout (at its root or under its one top folder), so a folder that exists is
+whole. The archive is removed after unpacking.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import posixpath
 import re
@@ -32,21 +25,18 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
-from filelock import FileLock, Timeout
-
-from app.catalog.download import DISK_FULL, Report, download, no_room, say
+from app.catalog.fetcher import (DISK_FULL, Report, cached_path, fetch, format_size, lock,
+                                 no_room, say)
 from app.catalog.imagefolder import TRAIN_FOLDER, VAL_FOLDER
+from app.catalog.storage import Location
 from app.runtime.errors import UserError, first_line
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 CHECKSUMS = {"sha256": 64, "md5": 32}  # the entry keys, with their lengths in hex digits
-# A waiting process trusts the holder's liveness to the kernel (a dead holder's flock is freed
-# at once) and a stalled download fails within the http client's 60 s read timeout, so this
-# bound only ends a wait on a holder hung elsewhere; it outlasts a 330 MB download at 200 KB/s.
-LOCK_WAIT_S = 1800.0
+ARCHIVES = "archives"  # their kind in the cache
 IGNORED_AT_TOP = ("__MACOSX",)  # zips made on macOS carry it beside their top folder
 
 
@@ -110,74 +100,41 @@ class Archive:
 
 
 def cache_folder(archive: Archive, cache_dir: str | Path) -> Path:
-    """Where the archive's dataset is (or will be) unpacked."""
-    return Path(cache_dir).expanduser() / "archives" / archive.folder_name
+    """Where the archive's dataset is (or will be) unpacked: beside its download."""
+    return cached_path(archive.url, ARCHIVES, cache_dir).with_name(archive.folder_name)
 
 
 def ensure(archive: Archive, cache_dir: str | Path, report: Report = None) -> Path:
-    """The unpacked dataset's folder, fetched first if no run has yet (told to `report`)."""
+    """The unpacked dataset's folder, fetched and unpacked first if no run has yet (told to
+    `report`): by one process of the machine, which the others wait for."""
     target = cache_folder(archive, cache_dir)
     if target.is_dir():
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create the archive cache folder {target.parent} "
-                        f"({error.strerror}); set IMAGENET_DP_CACHE or `cache_dir` of "
-                        f"{archive.where} to a writable folder") from None
-    with fetch_lock(archive, target, report):
+    with lock(target, archive.url, report, where=archive.where):
         if not target.is_dir():  # unless the process that held the lock before made it
-            fetch(archive, target, report)
+            fetched = fetch(Location(archive.url, archive.storage_options), ARCHIVES,
+                            checksum=(archive.algorithm, archive.digest), cache=cache_dir,
+                            where=archive.where, report=report)
+            unpack_into(archive, fetched, target, report)
     return target
 
 
-@contextlib.contextmanager
-def fetch_lock(archive: Archive, target: Path, report: Report) -> Iterator[None]:
-    """One process of the machine fetches the archive, whatever run it belongs to; the others
-    wait (saying so once), then find the folder made."""
-    lock = FileLock(f"{target}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        say(report, f"waiting for another process that downloads {archive.url} into {target} "
-                     f"(at most {_duration(LOCK_WAIT_S)})")
-        try:
-            lock.acquire(timeout=LOCK_WAIT_S)
-        except Timeout:
-            raise UserError(f"waited {_duration(LOCK_WAIT_S)} for another process to "
-                            f"download {archive.url} into {target}; stop it if it hangs (the "
-                            f"process that holds {lock.lock_file}), then run again") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def fetch(archive: Archive, target: Path, report: Report) -> None:
-    """Under the lock: download (or continue), verify, unpack into a staging folder, check the
-    layout, rename into place. Staging folders found here are those of killed holders."""
+def unpack_into(archive: Archive, fetched: Path, target: Path, report: Report) -> None:
+    """Unpack into a staging folder, check the layout, rename into place, remove the archive.
+    Staging folders found here are those of killed holders of the lock."""
     for stale in target.parent.glob(f".{target.name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    part = target.with_name(target.name + archive.suffix + ".part")
-    digest = download(archive.url, archive.storage_options, part, archive.algorithm,
-                      archive.where, report)
-    if digest != archive.digest:
-        part.unlink()
-        raise UserError(f"{archive.url} has {archive.algorithm} {digest}, but the catalog "
-                        f"expects {archive.digest}; removed the download (the next run "
-                        "downloads it again); if the archive changed at its source, update "
-                        f"`{archive.algorithm}` of {archive.where}")
     say(report, f"unpacking {archive.file_name} into {target}")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        unpack(archive, part, staging)
+        unpack(archive, fetched, staging)
         os.rename(dataset_folder(archive, staging), target)
     except UserError:  # these bytes will never unpack here: nothing is kept for a next run
-        part.unlink(missing_ok=True)
+        fetched.unlink(missing_ok=True)
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    part.unlink()
+    fetched.unlink()
 
 
 def unpack(archive: Archive, file: Path, staging: Path) -> None:
@@ -194,8 +151,9 @@ def unpack(archive: Archive, file: Path, staging: Path) -> None:
                         f"folder ({first_line(error, 120)}); it is not unpacked") from None
     except OSError as error:
         if error.errno in DISK_FULL:
-            raise no_room(archive.url, staging.parent, error, archive.where,
-                          file.stat().st_size, unpacked_size(archive, file)) from None
+            needs = (f"the archive takes {format_size(file.stat().st_size)} and unpacks to "
+                     f"{format_size(unpacked_size(archive, file))}")
+            raise no_room(archive.url, staging.parent, error, archive.where, needs) from None
         raise unreadable(archive, error) from None
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as error:
         raise unreadable(archive, error) from None
@@ -235,6 +193,3 @@ def unreadable(archive: Archive, error: BaseException) -> UserError:
                      f"({first_line(error, 120, True)}), though its checksum is the catalog's; "
                      f"check `url` and the checksum of {archive.where}")
 
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"

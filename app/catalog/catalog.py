@@ -19,7 +19,8 @@ import app.catalog.archive as archive
 import app.catalog.sample as sample
 from app.catalog.dataset import Dataset
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
-                                 SHARD_LAYOUTS, DatasetRoot, default_cache_dir, scheme_of)
+                                 SHARD_LAYOUTS, DatasetRoot, Location, default_cache_dir,
+                                 scheme_of)
 from app.config.tomlfile import read_toml
 from app.runtime.errors import UserError, first_line
 
@@ -110,15 +111,14 @@ class Catalog:
             raise UserError(f"dataset '{name}': root {url} not found; {hint}")
         return root
 
-    def location(self, url: str) -> DatasetRoot:
+    def location(self, url: str) -> Location:
         """Any URL that is not a dataset (a run folder, a checkpoint to resume from), opened
         with the settings of the entry whose bucket holds it (endpoint_url, region, profile,
         anon; the longest matching url wins), else with the credential chain's alone: one way
         for datasets and run folders to become clients."""
         url = url.rstrip("/")
         entry = self._entry_holding(url)
-        return DatasetRoot("location", url, _storage_options(url, entry),
-                           store_options=_store_options(url, entry))
+        return Location(url, _storage_options(url, entry), _store_options(url, entry))
 
     def _entry_holding(self, url: str) -> dict[str, Any]:
         """The entry with a url in the same bucket as `url` (the same scheme://host), the one

@@ -3,7 +3,7 @@ what comes after training: weights to start from, models to load, images to clas
 through app/catalog/storage.py's clients, as datasets do; credentials come from the same chains,
 and the settings (endpoint_url, region, profile, anon) of the project catalog's entry in the
 same bucket apply as they do to a run folder (Catalog.location). Model files at a URL are read
-through the download cache (remote_run.fetch_file): fetched once per machine."""
+through the cache (app/catalog/fetcher.py): fetched once per machine, again when they change."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import posixpath
 from pathlib import Path
 
 from app.catalog.catalog import Catalog
-from app.catalog.remote_run import fetch_file
-from app.catalog.storage import DatasetRoot, scheme_of
+from app.catalog.fetcher import fetch
+from app.catalog.storage import Location, scheme_of
 from app.runtime.errors import UserError, first_line
 
 PROJECT_CATALOG = "datasets.toml"  # found from any folder (Catalog.load)
+MODELS = "models"  # their kind in the cache: checkpoints, weights, exports
 
 
 def is_local(location: str) -> bool:
@@ -35,18 +36,18 @@ def _catalog() -> Catalog | None:
         return None
 
 
-def _root(location: str) -> DatasetRoot:
+def _root(location: str) -> Location:
     catalog = _catalog()
     if catalog is None or scheme_of(location) in ("", "file", "http", "https"):
-        return DatasetRoot("location", location.rstrip("/"))
+        return Location(location.rstrip("/"))
     return catalog.location(location)
 
 
 def read_cached(location: str) -> bytes:
-    """A model file's bytes; at a URL fetched into the download cache first (once)."""
+    """A model file's bytes; at a URL fetched into the cache first (once)."""
     if is_local(location):
         return read_bytes(location)
-    return fetch_file(_root(location)).read_bytes()
+    return fetch(_root(location), MODELS).read_bytes()
 
 
 def is_folder(location: str) -> bool:

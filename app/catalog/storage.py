@@ -1,5 +1,6 @@
-"""A dataset's root folder on any fsspec filesystem (local path, file://, s3://, gs://, az://,
-memory://, ...), and the object-store client that reads its images.
+"""A dataset's root folder, or any other location (a run folder, a checkpoint), on any fsspec
+filesystem (local path, file://, s3://, gs://, az://, memory://, ...), and the object-store
+client that reads its images.
 
 The one place that turns a URL into clients: everything below the catalog (tables, readers,
 pre-flight checks) reads through a DatasetRoot and never sees credentials or clients' options.
@@ -38,19 +39,17 @@ OBJECT_STORE_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=3),
 OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no request waits forever
 
 
-@dataclass(frozen=True)
-class DatasetRoot:
-    """A dataset's root folder on some filesystem. Picklable: the filesystem and the object
-    store client are created lazily in each process that uses them (clients must not cross a
-    fork)."""
+class Location:
+    """Anything at a local path or any fsspec URL (a run folder, a checkpoint to resume or start
+    from, a model, an archive; a dataset's root is a DatasetRoot), and the clients that read it.
+    Picklable: the filesystem and the object store client are created lazily in each process
+    that uses them (clients must not cross a fork)."""
 
-    name: str
-    url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec (s3fs) options
-    image_size: int = 0  # the dataset's natural training resolution (0: unknown)
-    options: dict[str, Any] = field(default_factory=dict)  # reader: cache, concurrency, reader
-    layout: str = "kaggle"  # how the tables are found: LAYOUTS
-    store_options: dict[str, Any] = field(default_factory=dict)  # obstore: endpoint, region, ...
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 store_options: dict[str, Any] | None = None):
+        self.url = url
+        self.storage_options = storage_options or {}  # fsspec (s3fs) options
+        self.store_options = store_options or {}  # obstore: endpoint, region, ...
 
     @property
     def fs(self):
@@ -66,10 +65,8 @@ class DatasetRoot:
 
     @property
     def reader(self) -> str:
-        """Who reads the images: "obstore" or "s3fs" for object stores, "fsspec" otherwise."""
-        if scheme_of(self.url) not in OBJECT_STORE_SCHEMES:
-            return "fsspec"
-        return self.options.get("reader", "obstore")
+        """Who reads whole files: fsspec (a dataset's entry may choose obstore, DatasetRoot)."""
+        return "fsspec"
 
     @property
     def store(self):
@@ -92,15 +89,6 @@ class DatasetRoot:
         """All files below `relative`, as paths relative to the root."""
         return [self._relative(p) for p in self.fs.find(self.path(relative))]
 
-    def find_with_folders(self, relative: str) -> tuple[list[str], list[str]]:
-        """(files, folders) below `relative`, relative to the root; folders include empty ones
-        where the filesystem has folders of their own (local disks do, object stores do not)."""
-        found = self.fs.find(self.path(relative), withdirs=True, detail=True)
-        files, folders = [], []
-        for name, info in found.items():
-            (folders if info["type"] == "directory" else files).append(self._relative(name))
-        return sorted(files), sorted(folders)
-
     def _relative(self, listed: str) -> str:
         """A listed name relative to the root, as listed: not normalised, so a name with '..'
         in it stays visible to the checks of the tables instead of turning into another
@@ -114,8 +102,38 @@ class DatasetRoot:
         return self.url.rstrip("/") + ("/" + relative if relative else "")
 
 
+@dataclass(frozen=True)
+class DatasetRoot(Location):
+    """A dataset's root folder, named as in the catalog, with how its images are read."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec (s3fs) options
+    image_size: int = 0  # the dataset's natural training resolution (0: unknown)
+    options: dict[str, Any] = field(default_factory=dict)  # reader: cache, concurrency, reader
+    layout: str = "kaggle"  # how the tables are found: LAYOUTS
+    store_options: dict[str, Any] = field(default_factory=dict)  # obstore: endpoint, region, ...
+
+    @property
+    def reader(self) -> str:
+        """Who reads the images: "obstore" or "s3fs" for object stores, "fsspec" otherwise."""
+        if scheme_of(self.url) not in OBJECT_STORE_SCHEMES:
+            return "fsspec"
+        return self.options.get("reader", "obstore")
+
+    def find_with_folders(self, relative: str) -> tuple[list[str], list[str]]:
+        """(files, folders) below `relative`, relative to the root; folders include empty ones
+        where the filesystem has folders of their own (local disks do, object stores do not)."""
+        found = self.fs.find(self.path(relative), withdirs=True, detail=True)
+        files, folders = [], []
+        for name, info in found.items():
+            (folders if info["type"] == "directory" else files).append(self._relative(name))
+        return sorted(files), sorted(folders)
+
+
 def default_cache_dir() -> Path:
-    """Where generated samples and fetched shards go unless an entry says `cache_dir`."""
+    """Where generated samples and fetched files (app/catalog/fetcher.py) go unless an entry
+    says `cache_dir`."""
     env = os.environ.get("IMAGENET_DP_CACHE")
     if env:
         return Path(env)

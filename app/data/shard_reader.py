@@ -26,6 +26,7 @@ from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.mapped import mapped
 from app.data.windows import WindowedBatches
+from app.runtime.errors import UserError
 
 FETCHES_AT_ONCE = 4  # shards a batch needs, fetched side by side
 STOP_WAIT_S = 60.0  # for the shard being fetched ahead when the process ends
@@ -94,7 +95,8 @@ class ShardSamples:
             raise ShardError(f"shard {self.store.root.describe(self.names[shard])}: sample "
                              f"{ordinal} at byte offset {offset} needs {size} bytes, the file "
                              f"ends first (changed since it was indexed?); remove "
-                             f"{self.store.folder} and resume with --resume auto")
+                             f"{self.store.fetched_path(self.names[shard]).parent} and resume "
+                             "with --resume auto")
         return data, "", label
 
     def local(self, shard: int) -> tuple[int, LocalShard]:
@@ -145,7 +147,7 @@ class ShardSamples:
                     return
                 self.store.open(shard, wait=False)
             self.store.evict(keep)
-        except Exception:  # noqa: BLE001, S110 (the foreground read reports it)
+        except (UserError, OSError):  # noqa: S110 (the foreground read reports it)
             pass
 
 
