@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import posixpath
 import random
 import time
 from pathlib import Path
@@ -145,25 +144,3 @@ def refusal(error: BaseException) -> str:
         return "no such bucket or key: " + first_line(error, 120)
     return first_line(error, 160, with_type=True)
 
-
-def fetch_file(root: DatasetRoot, cache: Path | None = None) -> Path:
-    """A file at a URL (a checkpoint to resume or start from) in the local cache,
-    <cache>/downloads/<16 hex digits of the URL's sha256>/<its name>; fetched again only when
-    the cached copy's size differs from the object's."""
-    digest = hashlib.sha256(root.url.encode()).hexdigest()[:16]
-    name = posixpath.basename(root.url)
-    local = (cache or default_cache_dir()) / "downloads" / digest / name
-    parent = RemoteRunFolder(DatasetRoot("location", posixpath.dirname(root.url),
-                                         root.storage_options, store_options=root.store_options))
-    try:
-        size = retried(lambda: root.fs.size(root.root))
-        if not (local.is_file() and local.stat().st_size == size):
-            parent.fetch(name, local)
-    except UserError:
-        raise
-    except FileNotFoundError:
-        raise UserError(f"{root.url} not found; check the URL") from None
-    except Exception as error:  # noqa: BLE001
-        raise UserError(f"cannot read {root.url} ({refusal(error)}); check the URL and the "
-                        "credentials") from None
-    return local

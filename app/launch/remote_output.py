@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 from app.catalog import Catalog
-from app.catalog.remote_run import RemoteRunFolder, fetch_file, is_url, staging_folder
+from app.catalog.fetcher import fetch
+from app.catalog.locations import MODELS
+from app.catalog.remote_run import RemoteRunFolder, is_url, staging_folder
 from app.catalog.storage import DatasetRoot
 from app.catalog.uploader import Mirrored, step_file_of
 from app.runtime.errors import UserError
@@ -43,7 +45,7 @@ def run_dir(output_dir: str, name: str) -> Path:
 
 def fetched_checkpoint(catalog: Catalog, url: str) -> tuple[str, str]:
     """(local copy, run name the URL implies or "") of `--resume URL`."""
-    local = fetch_file(catalog.location(url))
+    local = fetch(catalog.location(url), MODELS)
     parts = url.rstrip("/").split("/")
     name = parts[-3] if len(parts) > 3 and parts[-2] == "checkpoints" else ""
     return str(local), name
