@@ -412,7 +412,8 @@ def test_the_driver_trains_on_an_archive_and_fails_in_one_line_without_it(
         f"[datasets.gone] in {catalog}")
     trained = run_driver(*flags, "--dataset", "net", "--run-name", "net", cwd=tmp_path, env=env)
     assert trained.returncode == 0, trained.stderr
-    folder = tmp_path / "cache" / "archives" / f"driver-{checksums['md5'][:8]}"
+    folder = fetched_path(tmp_path, server.url("driver.tgz")).with_name(
+        f"driver-{checksums['md5'][:8]}")
     assert f"unpacking driver.tgz into {folder}" in trained.stderr
     assert "3 classes, 12 train / 6 val images" in trained.stderr  # the archive's photos
     assert len(epoch_records(tmp_path / "runs" / "net")) == 1
