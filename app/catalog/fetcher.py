@@ -90,7 +90,12 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
     """One process of the machine makes `target` (fetches it, unpacks it), whatever run it
     belongs to; the others wait (saying so once), then find it made. `wait=False` yields False
     at once instead of waiting."""
-    make_folder(target.parent, where)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create the cache folder {target.parent} ({error.strerror}); "
+                        f"set IMAGENET_DP_CACHE{_or_cache_dir(where)} to a writable folder"
+                        ) from None
     held = FileLock(f"{target}.lock")
     try:
         held.acquire(timeout=0)
@@ -110,14 +115,6 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
         yield True
     finally:
         held.release()
-
-
-def make_folder(folder: Path, where: str) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create the cache folder {folder} ({error.strerror}); set "
-                        f"IMAGENET_DP_CACHE{_or_cache_dir(where)} to a writable folder") from None
 
 
 def is_current(local: Path, remote: Remote, checksum: Checksum | None) -> bool:
