@@ -3,7 +3,6 @@ the process ends without the interpreter's slow teardown."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import os
@@ -11,6 +10,7 @@ import sys
 from typing import Callable, NoReturn
 
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError
+from app.runtime.private_api import run_exit_handlers
 
 INTERRUPTED_EXIT_CODE = 130
 
@@ -46,7 +46,7 @@ def end_process(code: int) -> NoReturn:
     multiprocessing would end them with SIGTERM and wait for them, and loader processes
     ignore SIGTERM (app/runtime/interrupts.py), so that wait would never end."""
     kill_daemon_children()
-    atexit._run_exitfuncs()  # noqa: SLF001 (what sys.exit would run, in the same order)
+    run_exit_handlers()  # what sys.exit would run, in the same order
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

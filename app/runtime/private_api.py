@@ -1,0 +1,73 @@
+"""Every private name of Python and torch that this program uses, each where no public way does
+the job, so that a release that moves one breaks here and in tests/test_private_api.py, which
+checks each name and the shape used (attributes, parameters), rather than somewhere in a run.
+
+Imports nothing of app/, and torch only when a loader is asked for: the driver stays light.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+from multiprocessing import forkserver
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Iterator
+
+
+def forkserver_pid() -> int | None:
+    """The pid of the forkserver this process started (None: none yet). Python keeps it on the
+    module's private ForkServer instance: `multiprocessing.forkserver` exposes ensure_running
+    and set_forkserver_preload only, and the server is no Process that active_children lists."""
+    return forkserver._forkserver._forkserver_pid  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def forkserver_restart_refused(instead: Callable[[], None]) -> Iterator[None]:
+    """Meanwhile, starting a process calls `instead` (which raises where the server died) where
+    Python would call ensure_running, which starts a new server, without a word and after its
+    imports, where it finds the old one dead (even one killed a moment before and still
+    tearing down, so no check beforehand closes the gap). No public switch: each start calls
+    the method of the module's private ForkServer instance, which this shadows."""
+    server = forkserver._forkserver  # noqa: SLF001
+    server.ensure_running = instead
+    try:
+        yield
+    finally:
+        del server.ensure_running
+
+
+def run_exit_handlers() -> None:
+    """What sys.exit would run (atexit's handlers, last registered first), for a process that
+    then ends with os._exit: atexit registers and unregisters, but runs them only at exit."""
+    atexit._run_exitfuncs()  # noqa: SLF001
+
+
+def loader_processes(loader: Any) -> list[BaseProcess]:
+    """The processes of a torch DataLoader with persistent workers (none before its first
+    pass). It keeps them on its private iterator; multiprocessing.active_children() lists them
+    too, but reaps and drops one that died already: one killed as it starts would go unnamed."""
+    return list(getattr(getattr(loader, "_iterator", None), "_workers", []))
+
+
+@functools.cache
+def loader_polling_every(seconds: float) -> type:
+    """torch's DataLoader, whose wait for a batch checks every `seconds` (torch: every 5 s) that
+    its processes live. Torch has no public setting for it: the interval is the default of its
+    private iterator's `_try_get_data(timeout)`; the public `timeout` ends the wait with an
+    error instead, and a persistent loader's resumption at each epoch's start is such a wait."""
+    from torch.utils.data import DataLoader  # noqa: PLC0415 (only where a loader is built)
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter  # noqa: PLC0415
+
+    class PollingIterator(_MultiProcessingDataLoaderIter):
+        def _try_get_data(self, timeout: float = seconds):
+            return super()._try_get_data(timeout)
+
+    class PollingLoader(DataLoader):
+        def _get_iterator(self):
+            if self.num_workers == 0:
+                return super()._get_iterator()
+            self.check_worker_number_rationality()
+            return PollingIterator(self)
+
+    return PollingLoader
