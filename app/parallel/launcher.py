@@ -52,7 +52,6 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
     request to save, which the driver passes on as a step to stop after), and reports why it
     failed before exiting non-zero. The driver ends a child with SIGKILL (stop_all)."""
     forkserver.apply_environ(environ)
-    forkserver.forget_server()
     die_with_parent()
     if os.getppid() != server:  # the server (and the driver) went before the line above
         os._exit(1)

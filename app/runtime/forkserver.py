@@ -16,10 +16,13 @@ each handled here or where the child starts (app/parallel/launcher.py `child_ent
   `os.environ` as it is when it is started (`environ_now`), and sys.path and the working
   folder travel with every child anyway (multiprocessing's preparation data);
 - its children are its own, not the driver's, and each holds the server's "alive" pipe, which
-  keeps the server running while any child runs: children close their copy (`forget_server`),
-  so the server ends when the driver ends, and a child's parent-death signal fires then.
+  keeps the server running while any child runs: the kernel ends it with the driver all the
+  same (app/runtime/forkserver_init.py, its first import), and each child with it;
+- it is started again, without a word and after seconds of imports, when Python finds it dead
+  as a process is to start (even one killed a moment before): here that is a failure like any
+  process's death (`no_silent_restart`).
 
-Imports nothing of app/ but runtime's errors and interrupts, and no torch: the driver stays light.
+Imports nothing of app/ but runtime's own modules, and no torch: the driver stays light.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing import forkserver, util
+from multiprocessing import forkserver
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Iterable, Iterator
@@ -38,13 +41,14 @@ from typing import Any, Callable, Iterable, Iterator
 from app.runtime.errors import UserError, first_line
 from app.runtime.forkserver_init import PARENT
 from app.runtime.interrupts import STOP_SIGNALS
+from app.runtime.private_api import forkserver_pid as server_pid, forkserver_restart_refused
 from app.runtime.spawning import main_module_spawn_can_run
 
 PROBE_TIMEOUT_S = 600.0  # the server's own imports come first: seconds, minutes on a busy box
 
 GUARD = "app.runtime.forkserver_init"  # imported first: the server dies with its parent
 _preloaded: frozenset[str] = frozenset()  # what the running server was asked to import
-_served = False  # whether it has started a process yet (checked by a probe)
+_unchecked = False  # started, and not yet found by a probe to have imported all of it
 
 
 class StartFailure(RuntimeError):
@@ -74,8 +78,9 @@ def start(preload: Iterable[str]) -> None:
     its imports: they run while the caller goes on. A server that lacks a module is started
     again with both sets (a notebook that trains another kind of model next). One that died
     after it had served (the run it served has failed, or ended) is started anew; one that
-    died before it ever served was killed while this run started: StartFailure."""
-    global _preloaded, _served
+    died before a probe found it ready was killed while this run started: StartFailure (once;
+    the next start starts anew)."""
+    global _preloaded, _unchecked
     wanted = frozenset(preload)
     pid = server_pid()
     if pid is not None:
@@ -84,19 +89,20 @@ def start(preload: Iterable[str]) -> None:
                 return
             wanted |= _preloaded
             stop()
-        elif not _served:
+        elif _unchecked:
+            _unchecked = False
             raise StartFailure(f"the forkserver (pid {pid}) that starts this run's processes "
                                 "died while it imported")
-    _preloaded, _served = wanted, False
+    _preloaded, _unchecked = wanted, True
     forkserver.set_forkserver_preload([GUARD, *sorted(wanted - {GUARD})])
     with importable_as_here(), stop_signals_blocked():
-        forkserver.ensure_running()
+        forkserver.ensure_running()  # reaps a dead server first (is_running leaves it)
 
 
 def context(preload: Iterable[str]) -> BaseContext:
     """The context to start the run's processes with: a server that has imported `preload`,
     checked (UserError: a module could not be imported there; StartFailure: it died)."""
-    global _served
+    global _unchecked
     preload = sorted(set(preload))
     start(preload)
     try:
@@ -104,53 +110,44 @@ def context(preload: Iterable[str]) -> BaseContext:
     except (UserError, StartFailure):
         stop()  # the next start begins afresh, without the module that failed
         raise
-    _served = True
+    _unchecked = False
     return multiprocessing.get_context("forkserver")
 
 
 def stop() -> None:
     """End the server now (SIGKILL: one still importing would otherwise finish first)."""
-    global _preloaded
+    global _preloaded, _unchecked
     pid = server_pid()
     if pid is not None and is_running():
         os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-        forget_dead_server()
-    _preloaded = frozenset()
-
-
-def server_pid() -> int | None:
-    return forkserver._forkserver._forkserver_pid  # noqa: SLF001
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # gone; the next start reaps it
+    _preloaded, _unchecked = frozenset(), False
 
 
 def is_running() -> bool:
-    """Whether the server started by this process is alive (a dead one is reaped here and
-    forgotten: the next `start` starts another)."""
+    """Whether the server started by this process is alive. A dead one is not reaped here:
+    Python's ensure_running reaps it, and forgets it, as it starts the next (`start`)."""
     pid = server_pid()
     if pid is None:
         return False
     try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        done = pid
-    if done:
-        forget_dead_server()
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped by someone else
         return False
-    return True
 
 
-def forget_dead_server() -> None:
-    """Forget a server that died (killed by a user, or by the out-of-memory killer)."""
-    server = forkserver._forkserver  # noqa: SLF001
-    with contextlib.suppress(OSError):
-        os.close(server._forkserver_alive_fd)  # noqa: SLF001
-    address = server._forkserver_address  # noqa: SLF001
-    if address and not util.is_abstract_socket_namespace(address):
-        with contextlib.suppress(OSError):
-            os.unlink(address)
-    server._forkserver_alive_fd = server._forkserver_pid = None  # noqa: SLF001
-    server._forkserver_address = None  # noqa: SLF001
+@contextlib.contextmanager
+def no_silent_restart() -> Iterator[None]:
+    """Around starting processes: Python starts a new server, and waits for its imports, when
+    it finds the old one dead as it asks for a child; a server that died is a failure here
+    instead (only `start` starts one), so the caller learns of it at once."""
+    def ensure_alive() -> None:
+        if not is_running():
+            raise StartFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
+                                "this run's processes died")
+    with forkserver_restart_refused(ensure_alive):
+        yield
 
 
 @contextlib.contextmanager
@@ -226,27 +223,8 @@ def check_preloaded(modules: list[str]) -> None:
                         "this interpreter and PYTHONPATH")
 
 
-@contextlib.contextmanager
-def no_silent_restart() -> Iterator[None]:
-    """Around starting processes: Python starts a new server, and waits for its imports, when
-    it finds the old one dead as it asks for a child; a server that died is a failure here
-    instead (only `start` starts one), so the caller learns of it at once."""
-    server = forkserver._forkserver  # noqa: SLF001
-
-    def ensure_alive() -> None:
-        if not is_running():
-            raise StartFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
-                                "this run's processes died")
-    server.ensure_running = ensure_alive  # the instance's: shadows the method meanwhile
-    try:
-        yield
-    finally:
-        del server.ensure_running
-
-
 def report_missing(modules: list[str], writer) -> None:
     """In the probe child: {module: why} for each module the server had not imported."""
-    forget_server()
     missing = {}
     for name in [m for m in modules if m not in sys.modules]:
         try:
@@ -268,14 +246,3 @@ def apply_environ(environ: dict[str, str]) -> None:
     the server was started with (a restarted worker, a second app.train in a notebook)."""
     os.environ.clear()
     os.environ.update(environ)
-
-
-def forget_server() -> None:
-    """In a child of the server: close its copy of the server's "alive" pipe, which otherwise
-    keeps the server (and so this child's parent) alive after the driver has gone. This
-    process then starts no process of its own from the server (it forks or spawns them)."""
-    alive = forkserver._forkserver._forkserver_alive_fd  # noqa: SLF001
-    if alive is not None:
-        with contextlib.suppress(OSError):
-            os.close(alive)
-        forkserver._forkserver._forkserver_alive_fd = None  # noqa: SLF001
