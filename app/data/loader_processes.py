@@ -5,52 +5,42 @@ They are forked from their worker (`start_method`): as pytorch/examples' loaders
 milliseconds with the worker's imports and its table, nothing pickled, side by side. Spawned
 only where the worker runs threads a fork would break (app/runtime/fork_safety.py). Each dies
 with its worker (`loader_init`). A dead one is noticed within LIVENESS_POLL_S of a wait for a
-batch (`WatchfulLoader`), and told in one line naming it and how it ended, whichever way the
-DataLoader reports it (`loader_death`, `dead_loader`).
+batch (`data_loader`), and told in one line naming it and how it ended (`dead_loader`),
+whichever error the DataLoader raised for it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import weakref
 from multiprocessing.process import BaseProcess
 
-from torch.utils.data import DataLoader
-from torch.utils.data._utils import signal_handling
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from torch.utils.data import DataLoader, Dataset
 
+from app.runtime import private_api
 from app.runtime.fork_safety import threads_fork_breaks
 from app.runtime.interrupts import ignore_stop_signals
 from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
 log = logging.getLogger("imagenet_dp")
-LIVENESS_POLL_S = 0.5  # how often a wait for a batch checks that the loader processes live
+# How often a wait for a batch checks that the loader processes live. torch's SIGCHLD handler
+# tells sooner, but only the main thread, and not where its error lands in a __del__ or an
+# at-fork handler (seen: filelock's); torch's own check comes every 5 s.
+LIVENESS_POLL_S = 0.5
 
 
-class WatchfulIterator(_MultiProcessingDataLoaderIter):
-    """torch's iterator over its loader processes, waiting for a batch in steps of
-    LIVENESS_POLL_S instead of 5 s: after each it checks that its processes live. Its other
-    check, an error raised by its SIGCHLD handler in whatever code runs at that moment, is
-    lost where that code is a __del__ or an at-fork handler (seen here: filelock's); then a
-    dead loader process was noticed only 5 s later."""
-
-    def _try_get_data(self, timeout: float = LIVENESS_POLL_S):
-        return super()._try_get_data(timeout)
-
-
-class WatchfulLoader(DataLoader):
-    """A DataLoader whose iterator is WatchfulIterator."""
-
-    def _get_iterator(self):
-        if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        return WatchfulIterator(self)
+def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
+    """A DataLoader over `workers` processes that stay for every pass (persistent), forked
+    (`start_method`), each dying with this process (`loader_init`), waited for in steps of
+    LIVENESS_POLL_S."""
+    loader_type = private_api.loader_polling_every(LIVENESS_POLL_S)
+    return loader_type(dataset, num_workers=workers, persistent_workers=workers > 0,
+                       multiprocessing_context=start_method() if workers else None,
+                       worker_init_fn=loader_init, **options)
 
 
 def start_method() -> str:
@@ -67,21 +57,25 @@ def start_method() -> str:
     return "fork"
 
 
-# How torch's DataLoader says that one of its processes died: from its SIGCHLD handler ("is
-# killed by signal: Killed", "exited unexpectedly with exit_code 1") or from its wait for a batch
-LOADER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) (?:is killed by signal: "
-                         r"([^.]+)|exited unexpectedly(?: with exit_code (-?\d+))?)")
-SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+def loader_init(index: int) -> None:
+    """First thing in each loader process (DataLoader's worker_init_fn): it dies with its
+    worker at once (torch's own check notices a dead parent only within 5 s), and leaves the
+    stop signals to it."""
+    die_with_parent()
+    ignore_stop_signals()
+    moment("loader:start")
 
 
-# This process's loader processes by pid, and how those that died ended (os.waitid's answer,
-# read as each dies: whoever reaps it later, its multiprocessing object may never learn it)
+# This process's loader processes by pid; how those that died ended (os.waitid's answer, read
+# as each dies: whoever reaps it later, its multiprocessing object may never learn it); and
+# those this process killed itself (kill_processes), whose deaths are no failure to report.
 _started: weakref.WeakValueDictionary[int, BaseProcess] = weakref.WeakValueDictionary()
 _ended: dict[int, os.waitid_result] = {}
+_killed: set[int] = set()
 
 
 def remember_processes(loader: DataLoader) -> None:
-    for process in getattr(getattr(loader, "_iterator", None), "_workers", []):
+    for process in private_api.loader_processes(loader):
         _started[process.pid] = process
     if threading.current_thread() is threading.main_thread():
         record_deaths()
@@ -89,12 +83,15 @@ def remember_processes(loader: DataLoader) -> None:
 
 def record_deaths() -> None:
     """A SIGCHLD handler in front of the DataLoader's (which raises its error wherever this
-    process is): it first notes how a loader process ended, without reaping it."""
+    process is): it first notes how a loader process ended, without reaping it; and it keeps
+    from the DataLoader's the deaths this process caused (`kill_processes`), which it would
+    take for failures and raise in the middle of the failure being reported."""
     previous = signal.getsignal(signal.SIGCHLD)
     if getattr(previous, "records_loader_deaths", False):
         return
 
     def handler(signum, frame) -> None:
+        killed = failed = False
         for pid in list(_started):
             try:
                 ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -102,7 +99,10 @@ def record_deaths() -> None:
                 continue
             if ended is not None:
                 _ended.setdefault(pid, ended)
-        if callable(previous):
+                killed |= pid in _killed
+                failed |= pid not in _killed and (ended.si_code, ended.si_status) != (
+                    os.CLD_EXITED, 0)
+        if callable(previous) and (failed or not killed):
             previous(signum, frame)
     handler.records_loader_deaths = True
     signal.signal(signal.SIGCHLD, handler)
@@ -114,22 +114,10 @@ class LoaderProcessDied(RuntimeError):
 
 
 def loader_death(error: BaseException) -> str | None:
-    """One line for a loader process's death, from the DataLoader's error (its SIGCHLD handler
-    interrupts whatever this process does) or ours (None: another error)."""
-    if isinstance(error, LoaderProcessDied):
-        return str(error)
-    found = LOADER_DIED.search(str(error))
-    if not found:
-        return None
-    pids, by_signal, code = found.groups()
-    process = _started.get(int(pids.split(",")[0]))
-    if by_signal is None and code is None and process is not None:
-        return describe_death(process)
-    how = f"was killed by {SIGNAL_NAMES.get(by_signal.strip(), by_signal.strip())}" \
-        if by_signal else f"exited with code {code}" if code is not None else "exited"
-    if by_signal and by_signal.strip() == signal.strsignal(signal.SIGKILL):
-        how += " (by a user or the out-of-memory killer)"
-    return f"its loader process (pid {pids.strip()}) {how}"
+    """One line for the loader process's death behind `error` (the DataLoader's, from its
+    SIGCHLD handler or its wait, or ours); None: none of this process's loader processes died
+    (but for those it killed itself)."""
+    return str(error) if isinstance(error, LoaderProcessDied) else dead_loader()
 
 
 def describe_death(process: BaseProcess) -> str:
@@ -147,31 +135,21 @@ def describe_death(process: BaseProcess) -> str:
 
 
 def dead_loader() -> str | None:
-    """How the first of this process's loader processes that died ended (None: none died).
-    Its exit code where multiprocessing has it; else it is gone from /proc (reaped already)."""
+    """How the first of this process's loader processes that died ended (None: none died, but
+    for those it killed). Its exit code where multiprocessing has it; else it is gone from
+    /proc (reaped already)."""
     for process in list(_started.values()):
+        if process.pid in _killed:
+            continue
         if process.exitcode not in (None, 0) or not is_alive(process.pid):
             return describe_death(process)
     return None
 
 
-def loader_init(index: int) -> None:
-    """First thing in each loader process (DataLoader's worker_init_fn): it dies with its
-    worker at once (torch's own check notices a dead parent only within 5 s), and leaves the
-    stop signals to it."""
-    die_with_parent()
-    ignore_stop_signals()
-    moment("loader:start")
-
-
 def kill_processes(loader: DataLoader | None) -> None:
-    """End `loader`'s processes at once (after a failure), unregistered first from the
-    DataLoader's SIGCHLD check, which would take their deaths for a failure of their own."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is None:
-        return
-    if getattr(iterator, "_worker_pids_set", False):
-        signal_handling._remove_worker_pids(id(iterator))  # noqa: SLF001
-        iterator._worker_pids_set = False  # noqa: SLF001
-    for process in getattr(iterator, "_workers", []):
-        process.kill()
+    """End `loader`'s processes at once (after a failure). One that died already keeps its
+    own cause (its exit code is read first)."""
+    for process in private_api.loader_processes(loader):
+        if process.exitcode is None:
+            _killed.add(process.pid)
+            process.kill()

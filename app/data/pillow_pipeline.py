@@ -161,12 +161,9 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
     """`dataset_type` and `collate_fn`: what the loader processes make of each image and
     batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
-    return loaders.WatchfulLoader(dataset_type(root, frame, recipe, batches),
-                      batch_sampler=ReadAhead(batches, workers), num_workers=workers,
-                      collate_fn=collate_fn, pin_memory=pin_memory,
-                      persistent_workers=workers > 0,
-                      multiprocessing_context=loaders.start_method() if workers else None,
-                      worker_init_fn=loaders.loader_init)
+    return loaders.data_loader(dataset_type(root, frame, recipe, batches), workers,
+                               batch_sampler=ReadAhead(batches, workers),
+                               collate_fn=collate_fn, pin_memory=pin_memory)
 
 
 class PillowPipeline:
@@ -214,13 +211,10 @@ class PillowPipeline:
                 raise
             raise loaders.LoaderProcessDied(death) from error
         if failure is not None:
-            # Its loader processes stop now: left to garbage collection they may not stop
+            # Its loader processes end now: left to garbage collection they may not stop
             # before the interpreter exits, whose join would then wait for them forever (they
             # ignore SIGTERM: app/runtime/interrupts.py).
-            iterator = getattr(self.loader, "_iterator", None)
-            if iterator is not None:
-                iterator._shutdown_workers()  # noqa: SLF001 (DataLoader has no public stop)
-            self.close()
+            self.close(at_once=True)
             raise failure
 
     def on_device(self, batch: HostBatch) -> DeviceBatch:
