@@ -3,9 +3,10 @@ new checkpoint (what a machine that dies without notice loses), with the machine
 every core taken by CPU-bound processes, for each niceness of the upload process; and how much
 the upload slows those processes (what it costs the training steps).
 
-Per niceness, a run folder is staged locally and mirrored by the real upload process
-(app/launch/upload_process.py, at that niceness) to moto_server on loopback; CheckpointFolder
-writes each step file and links last.pt to it as training does. The lag runs from save()'s
+Per niceness, a run folder is staged locally and uploaded by the real upload process
+(app/catalog/uploader.py, at that niceness) to moto_server on loopback; CheckpointFolder
+writes each step file, links last.pt to it and tells the upload process as training does. The
+lag runs from save()'s
 return to the first HEAD of the bucket's last.pt (sent by this process every POLL_S) that
 shows the new step file's size; each save is a byte longer than the one before, so a size
 names one save. The uploader's report lines would not do: it says "uploaded step-N.pt" before
@@ -13,7 +14,7 @@ last.pt is copied from it, and nothing once the copy is there. The bytes of the 
 last.pt are compared with the saved ones after the timing.
 
 Under load, each save follows a window in which the load's rate is measured with the upload
-process waiting (it looks at its folder every second); its rate from the save to last.pt's
+process waiting for a message; its rate from the save to last.pt's
 arrival, against that, is the slowdown a training step would see while an upload runs.
 
 moto_server runs here at niceness 0 and does much of an upload's CPU work (it parses, hashes
@@ -41,7 +42,7 @@ from app.bench.cpu_load import Load
 from app.bench.loopback_s3 import MotoServer
 from app.catalog.remote_run import RemoteRunFolder
 from app.catalog.storage import DatasetRoot
-from app.launch.upload_process import UploadProcess
+from app.catalog.uploader import UploadProcess
 from app.runtime.errors import UserError
 from app.training.checkpoint import CheckpointFolder
 
@@ -108,19 +109,20 @@ class Mirror:
     def __init__(self, server: MotoServer, niceness: int):
         self.root = DatasetRoot(BUCKET, f"s3://{BUCKET}/n{niceness}", server.storage_options())
         self.local = Path(tempfile.mkdtemp(prefix="upload-lag-"))
-        self.checkpoints = CheckpointFolder(self.local / "checkpoints", keep=2)
         self.saves, self.last_size = 0, 0
         self.reports: list[str] = []
+        (self.local / "config.toml").write_text("# bin/bench.py upload-lag\n")
         try:
             self.upload = UploadProcess(self.local, RemoteRunFolder(self.root), 2,
                                         self.reports.append, niceness=niceness)
         except BaseException:
             shutil.rmtree(self.local, ignore_errors=True)
             raise
+        self.checkpoints = CheckpointFolder(self.local / "checkpoints", keep=2,
+                                            announce=self.upload.uploads.saved)
 
     def __enter__(self) -> "Mirror":
-        try:  # the uploader has listed the bucket and passes over its folder once this is there
-            (self.local / "config.toml").write_text("# bin/bench.py upload-lag\n")
+        try:  # the upload process has listed the bucket and taken a message once this is there
             wait_until(lambda: head_size(self.root, "config.toml") is not None,
                        READY_TIMEOUT_S, self.check, "first upload of the upload process")
         except BaseException as error:

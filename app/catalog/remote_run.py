@@ -2,7 +2,7 @@
 requests the run makes of the bucket (put, copy, delete, fetch), each retried with backoff.
 
 The run writes into a local staging folder exactly as into a local run folder (atomic files,
-hard-linked last.pt); app/catalog/uploader.py mirrors that folder to the bucket. The clients
+hard-linked last.pt); app/catalog/uploader.py uploads what it is told the run saved. The clients
 come from the catalog (Catalog.location: the settings of the entry whose bucket holds the URL,
 else the AWS/GCP/Azure credential chains), as a dataset's do.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -22,12 +23,18 @@ from app.runtime.files import atomic_path
 
 T = TypeVar("T")
 # On top of botocore's own 3 attempts: 5xx, throttling and dropped connections mostly pass
-# within seconds; a bucket that is down for longer is retried by the uploader's next pass.
+# within seconds; a bucket that is down for longer: the upload process tries again later.
 ATTEMPTS = 4
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 # Answers that no retry changes: the bucket refuses us, or is not there.
 PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, UserError)
+# The clients' own errors (connections, credentials) beside the OSErrors the filesystems make of
+# a bucket's answers; looked up where the client is imported (no request raises them otherwise).
+CLIENT_ERRORS = {"botocore.exceptions": ("BotoCoreError", "ClientError"),
+                 "aiohttp": ("ClientError",), "gcsfs.retry": ("HttpError",),
+                 "google.auth.exceptions": ("GoogleAuthError",),
+                 "azure.core.exceptions": ("AzureError",)}
 
 
 def is_url(location: str) -> bool:
@@ -43,6 +50,14 @@ def staging_folder(output_url: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "url").write_text(url + "\n", encoding="utf-8")
     return folder
+
+
+def request_errors() -> tuple[type[BaseException], ...]:
+    """What a request of the bucket raises when the bucket, the network or the credentials fail
+    (a programming error is none of them)."""
+    return (OSError, UserError, *(getattr(sys.modules[module], name) for module, names
+                                  in CLIENT_ERRORS.items() if module in sys.modules
+                                  for name in names))
 
 
 def retried(action: Callable[[], T], deadline: float | None = None) -> T:
@@ -102,10 +117,6 @@ class RemoteRunFolder:
     def delete(self, relative: str) -> None:
         retried(lambda: self.root.fs.rm_file(self._path(relative)))
 
-    def files(self) -> list[str]:
-        """Every file of the run folder, relative to it."""
-        return sorted(self.sizes())
-
     def sizes(self) -> dict[str, int]:
         """Every file of the run folder, relative to it, with its size in bytes."""
         self.root.fs.invalidate_cache()
@@ -129,7 +140,7 @@ class RemoteRunFolder:
             retried(lambda: self.root.fs.rm_file(self._path(probe)))
         except UserError:
             raise
-        except Exception as error:  # noqa: BLE001
+        except request_errors() as error:
             raise UserError(f"--output-dir: cannot write {self.describe()} "
                             f"({refusal(error)}); check that the bucket exists and that the "
                             "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) may write "

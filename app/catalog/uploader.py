@@ -1,242 +1,350 @@
-"""Mirrors a staged run folder to its bucket from a background thread (of the upload process,
-app/launch/upload_process.py), so no training step ever waits for the network.
+"""The run folder's upload process: what the run saves goes to its bucket as it is saved.
 
-The run writes its folder locally as always (app/catalog/remote_run.py says where); every
-POLL_S this thread uploads what changed: the newest checkpoint first (at a preemption the
-stop's checkpoint is the one that matters), then config.toml, metrics.jsonl, curves.png,
-skipped.tsv and the rest, then older checkpoints. A checkpoint counts as saved in the bucket only once its upload is
-whole: step-N.pt is uploaded under its final name (an object store shows an object, multipart
-ones included, only when all its bytes are there), and only then does the bucket's last.pt
-become a copy of it (a copy inside the bucket) and do the bucket's checkpoints beyond --keep
-go. A process killed at any moment leaves the bucket's last.pt naming a whole checkpoint.
+The run writes its folder locally and says what it wrote on this process's inbox (`Uploads`,
+carried by the job to the primary): a checkpoint and the names now pointing at it (last.pt,
+best.pt); at the start, an epoch's end and the run's end, the record (metrics.jsonl, curves.png,
+config.toml, a logger's folder). Nothing is scanned or polled: the process waits for a message,
+or for the next try of a failed request. The newest checkpoint goes first (at a preemption the
+stop's matters), then the record, then older ones. step-N.pt goes up under its own name (an
+object store shows an object once all its bytes are there), and only then do the bucket's
+last.pt and best.pt become copies of it and its step files beyond --keep go: a process killed
+at any moment leaves the bucket's last.pt naming a whole checkpoint.
 
-A failed upload is said once per file, stays in the staging folder and is tried again on later
-passes with growing waits; one that then succeeds is said too.
+A process, so that an upload's Python work never holds the training's interpreter lock; at the
+training's priority (`bin/bench.py upload-lag`: at niceness 19 a 189 MB save on busy cores
+reached last.pt 10.9x later than on an idle machine, at 0 2.5x); spawned, without torch. It dies
+with the driver and ignores stop signals (Slurm and a shutdown signal every process): its last
+uploads are what the driver asks for then, within --stop-timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
+import os
+import queue
 import re
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
-from app.catalog.remote_run import RemoteRunFolder, refusal
-from app.runtime.files import TEMPORARY_SUFFIX
+from app.catalog.remote_run import RemoteRunFolder, refusal, request_errors
+from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.liveness import die_with_parent
+from app.runtime.spawning import main_module_spawn_can_run
 
-POLL_S = 1.0
-RETRY_WAITS_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # before a failed file is tried again
-STEP_FILE = re.compile(r"step-\d+\.pt$")
-POINTERS = ("last.pt", "best.pt")  # other names of a step file: copied in the bucket
+UPLOAD_NICENESS = 0  # the training's own: a lower one starves the upload on busy cores
+RETRY_WAITS_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # before a failed upload is tried again
+ANSWER_GRACE_S = 2.0  # after the deadline, for the answer's way back on a loaded machine
+EARLIER_STEP_FILE = re.compile(r"step-\d+\.pt$")  # an earlier session's, pruned by --keep too
 MB = 1e6
 
 
 @dataclass(frozen=True)
-class Mirrored:
-    """How the mirror ended: `waiting` names what the bucket lacks (empty: it holds all)."""
-    waiting: tuple[str, ...]
-    last: str  # the step file the bucket's last.pt is a copy of ("" if none yet)
+class Saved:  # a checkpoint whole on disk and the names now pointing at it, in the run folder
+    step_file: str
+    pointers: tuple[str, ...]
 
-    @property
-    def complete(self) -> bool:
-        return not self.waiting
+
+@dataclass(frozen=True)
+class Record:  # the run's files beside its checkpoints, as they are now
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Finish:  # upload what is left until `deadline` (time.monotonic() of this machine)
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """Where the uploads stand: `waiting` names what the bucket lacks (empty: it holds all)."""
+    waiting: tuple[str, ...]
+    newest: str = ""  # the newest checkpoint saved ("" if none)
+    newest_named: bool = False  # the bucket's last.pt (and best.pt, if it moved) is a copy of it
+
+
+class Uploads:
+    """The saving side's end of the inbox: a pipe's write end, carried by the job. A message is
+    one small write, read at once whatever is uploading: no step waits for an upload."""
+
+    def __init__(self, local: Path, connection: Connection):
+        self.local, self.connection = Path(local), connection
+
+    def saved(self, step_file: Path, pointers: Iterable[Path]) -> None:
+        self.send(Saved(self._relative(step_file), tuple(map(self._relative, pointers))))
+
+    def record(self) -> None:
+        """The run folder's files outside checkpoints/ (hidden ones: writes in progress)."""
+        files = []
+        for folder, subfolders, names in os.walk(self.local):
+            subfolders[:] = [name for name in subfolders if name != "checkpoints"]
+            files += [self._relative(Path(folder, n)) for n in names if not n.startswith(".")]
+        self.send(Record(tuple(sorted(files))))
+
+    def send(self, message: Saved | Record | Finish) -> None:
+        try:
+            self.connection.send(message)
+        except (BrokenPipeError, ConnectionResetError):  # it died: the driver's finish says so
+            pass
+
+    def _relative(self, path: Path) -> str:
+        return Path(path).relative_to(self.local).as_posix()
+
+
+class UploadProcess:
+    """The upload process as the driver sees it; `uploads` goes to the process that saves."""
+
+    def __init__(self, local: Path, remote: RemoteRunFolder, keep: int,
+                 report: Callable[[str], None], niceness: int = UPLOAD_NICENESS):
+        self.local, self.remote, self.report = Path(local), remote, report
+        self.busy_s = 0.0  # seconds spent uploading, in all (known after finish)
+        self._state, self._final = (Mirrored(()), 0.0), False  # as of its last request
+        self._answered = threading.Event()
+        context = multiprocessing.get_context("spawn")
+        inbox, orders = context.Pipe(duplex=False)
+        self._answers, answers = context.Pipe(duplex=False)
+        self._process = context.Process(target=serve, name="run-folder-upload", daemon=True,
+                                        args=(self.local, remote, keep, niceness, inbox, answers))
+        with main_module_spawn_can_run():
+            self._process.start()
+        inbox.close()  # the child's alone: a send after its death fails instead of blocking
+        answers.close()
+        threading.Thread(target=self._read, name="run-folder-upload-reports", daemon=True).start()
+        self.uploads = Uploads(self.local, orders)
+        self.uploads.record()  # config.toml and skipped.tsv's header, before the first epoch
+
+    def _read(self) -> None:
+        """The child's reports into the driver's log, and where it stands, to its outcome."""
+        try:
+            while not self._final:
+                kind, payload = self._answers.recv()
+                if kind == "report":
+                    self.report(payload)
+                else:
+                    self._state, self._final = payload, kind == "outcome"
+        except (EOFError, OSError):  # it died: finish() says so
+            pass
+        finally:
+            self._answered.set()
+
+    def finish(self, timeout: float) -> Mirrored:
+        """The record as the run left it, and what is left, uploaded within `timeout` seconds
+        (a request running then is abandoned: an unfinished upload never becomes an object)."""
+        timeout = max(timeout, 0.0)
+        self.uploads.record()
+        self.uploads.send(Finish(time.monotonic() + timeout))
+        self._answered.wait(timeout + ANSWER_GRACE_S)
+        if not self._final:  # a request still running is abandoned, where it stood said
+            self._process.kill()
+        self._process.join(ANSWER_GRACE_S)
+        mirrored, self.busy_s = self._state
+        if self._final:
+            return mirrored
+        why = ("(an upload in progress)" if self._process.exitcode == -9 else
+               f"(the upload process ended with exit code {self._process.exitcode})")
+        return dataclasses.replace(mirrored, waiting=(why, *mirrored.waiting))
+
+
+def serve(local: Path, remote: RemoteRunFolder, keep: int, niceness: int, inbox: Connection,
+          answers: Connection) -> None:
+    """The child: upload as told, saying where it stands after each request, to Finish."""
+    die_with_parent()
+    ignore_stop_signals()
+    os.nice(niceness)
+    messages: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=receive, args=(inbox, messages), name="inbox", daemon=True).start()
+    uploader = Uploader(local, remote, keep, report=lambda text: answers.send(("report", text)))
+    mirrored = uploader.start().run(messages, lambda now: answers.send(
+        ("progress", (now, uploader.busy_s))))
+    if mirrored is not None:
+        answers.send(("outcome", (mirrored, uploader.busy_s)))
+
+
+def receive(inbox: Connection, messages: queue.SimpleQueue) -> None:
+    """Moves each message from the pipe to the uploader's queue as it comes: a sender never
+    finds the pipe full while an upload runs. None: every sender went without a Finish."""
+    try:
+        while True:
+            messages.put(inbox.recv())
+    except EOFError:
+        messages.put(None)
 
 
 class Uploader:
+    """What the bucket lacks of the run folder, and the request that brings the next of it."""
+
     def __init__(self, local: Path, remote: RemoteRunFolder, keep: int,
                  report: Callable[[str], None]):
-        self.local, self.remote, self.keep, self.report = Path(local), remote, keep, report
-        self.uploaded: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns)
-        self.failures: dict[str, int] = {}  # relative path -> failed attempts since success
+        self.local, self.remote, self.keep, self.report = Path(local), remote, max(1, keep), report
+        self.saves: list[Saved] = []  # this session's, oldest first
+        self.steps: set[str] = set()  # step files to upload (the newest --keep saves' only)
+        self.whole: set[str] = set()  # step files uploaded whole
+        self.in_bucket: set[str] = set()  # step files the bucket holds
+        self.named: dict[str, str] = {}  # pointer -> the step file the bucket's copy is of
+        self.record: set[str] = set()  # record files whose current bytes the bucket lacks
+        self.uploaded: dict[str, tuple[int, int]] = {}  # record file -> (size, mtime_ns) up
+        self.failures: dict[str, int] = {}  # failed attempts since the last success
         self.retry_at: dict[str, float] = {}
-        self.pointers: dict[str, str] = {}  # "last.pt" -> the step file the bucket's copies
-        self.newest_uploaded = (0, "")  # (local mtime, name) of the newest whole step file
-        self.remote_steps: list[str] = []  # the bucket's step files, oldest first
-        self.deadline: float | None = None
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="run-folder-upload", daemon=True)
-        self.busy_s = 0.0  # seconds spent uploading, in all
+        self.deadline: float | None = None  # set by Finish
+        self.busy_s = 0.0  # seconds spent in uploads
 
     def start(self) -> "Uploader":
-        """Start mirroring; files the bucket already holds at their size (this machine's
-        staging folder of an earlier attempt) are not uploaded again."""
+        """What the bucket holds: step files of an earlier session (pruned as this one saves),
+        record files at their local size (an earlier attempt on this machine)."""
         try:
             listed = self.remote.sizes()
-        except Exception:  # noqa: BLE001 (the first pass says what fails)
+        except request_errors():  # the first upload says what fails
             listed = {}
-        self.remote_steps = sorted(f.split("/", 1)[1] for f in listed
-                                   if f.startswith("checkpoints/") and STEP_FILE.search(f))
         for relative, size in listed.items():
-            path = self.local / relative
-            if path.name not in POINTERS and path.is_file() and path.stat().st_size == size:
-                self.uploaded[relative] = (size, path.stat().st_mtime_ns)
-        self.thread.start()
+            if EARLIER_STEP_FILE.search(relative):
+                self.in_bucket.add(relative)
+            elif (found := stamp(self.local / relative)) and found[0] == size:
+                self.uploaded[relative] = found
         return self
 
-    def finish(self, timeout: float) -> Mirrored:
-        """A last pass for what is left, within `timeout` seconds; an upload still running
-        then is abandoned (an unfinished multipart upload never becomes an object)."""
-        self.deadline = time.monotonic() + max(timeout, 0.0)
-        self.stopping.set()
-        # At least a second: a pass with nothing left to upload needs a moment to say so.
-        self.thread.join(timeout=max(timeout, POLL_S))
-        waiting = self.waiting() if not self.thread.is_alive() else ("(an upload in progress)",)
-        return Mirrored(tuple(waiting), self.pointers.get("last.pt", ""))
-
-    # --- the thread ------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            self._safe_pass(final=False)
-            self.stopping.wait(POLL_S)
-        self._safe_pass(final=True)
-
-    def _safe_pass(self, final: bool) -> None:
-        try:
-            self._pass(final)
-        except Exception as error:  # noqa: BLE001 (the thread must outlive any one failure)
-            self.report(f"upload to {self.remote.describe()}: {refusal(error)}")
-
-    def _pass(self, final: bool) -> None:
-        for relative in self._changed():
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                return
-            if final or time.monotonic() >= self.retry_at.get(relative, 0.0):
-                self._upload(relative)
-        self._point_last()
-        self._point_best()
-
-    def _changed(self) -> list[str]:
-        """Files whose current bytes the bucket lacks: the newest checkpoint, then the small
-        files (the record a resumed run goes on with), then older checkpoints, newest first;
-        hidden files (temporaries of atomic writes) and the pointers left out. At a stop the
-        newest checkpoint and the record are what counts; an older one may miss the bound."""
-        found = []
-        for path in self.local.rglob("*"):
-            relative = path.relative_to(self.local).as_posix()
-            if path.name.startswith(".") or path.name.endswith(TEMPORARY_SUFFIX) \
-                    or path.name in POINTERS or not path.is_file():
-                continue
+    def run(self, messages: queue.SimpleQueue,
+            progress: Callable[[Mirrored], None] = lambda _: None) -> Mirrored | None:
+        """Takes the messages as they come and makes one request at a time (a newer checkpoint
+        said meanwhile goes next) until Finish; None if every sender went without one."""
+        while True:
             try:
-                stat = path.stat()
-            except FileNotFoundError:  # rotated away by --keep just now
-                continue
-            if self.uploaded.get(relative) != (stat.st_size, stat.st_mtime_ns):
-                found.append((2 if STEP_FILE.search(relative) else 1, -stat.st_mtime_ns,
-                              relative))
-        found.sort()
-        if found and found[-1][0] == 2:  # the newest checkpoint goes first
-            newest = min(entry for entry in found if entry[0] == 2)
-            found.remove(newest)
-            found.insert(0, newest)
-        return [relative for *_, relative in found]
+                message = messages.get(timeout=self.wait_s())
+                while message is not None:  # all said so far, before choosing what goes next
+                    self.take(message)
+                    message = messages.get_nowait()
+                return None
+            except queue.Empty:
+                pass
+            due = [item for item in self.work() if self.retry_at.get(item, 0) <= time.monotonic()]
+            if self.deadline is not None and (not due or time.monotonic() >= self.deadline):
+                return self.outcome()
+            if due:
+                self.bring(due[0])
+                progress(self.outcome())
 
-    def _upload(self, relative: str) -> None:
-        path = self.local / relative
+    def take(self, message: Saved | Record | Finish) -> None:
+        if isinstance(message, Saved):
+            self.saves.append(message)
+            self.whole.discard(message.step_file)  # a resumed run may write a name again
+            # Older than the newest --keep: the bucket would drop it at once, the folder has.
+            self.steps = ({message.step_file} | self.steps) & {
+                save.step_file for save in self.saves[-self.keep:]}
+        elif isinstance(message, Record):
+            self.record |= {relative for relative in message.files
+                            if self.uploaded.get(relative) != stamp(self.local / relative)}
+        else:
+            self.deadline = message.deadline
+            self.retry_at.clear()  # every failed request is tried once more, at once
+
+    def work(self) -> list[str]:
+        """What the bucket lacks, in the order it goes: the newest checkpoint, the pointers
+        that can move to a whole one, the record, older checkpoints (newest first)."""
+        steps = list(dict.fromkeys(s.step_file for s in reversed(self.saves)
+                                   if s.step_file in self.steps))
+        newest = steps[:1] if steps and steps[0] == self.saves[-1].step_file else []
+        moves = [pointer for pointer, target in self.targets().items()
+                 if self.named.get(pointer) != target]
+        return newest + moves + sorted(self.record) + steps[len(newest):]
+
+    def targets(self) -> dict[str, str]:
+        """Each pointer -> the newest save it was said of whose upload is whole."""
+        return {pointer: save.step_file for save in self.saves if save.step_file in self.whole
+                for pointer in save.pointers}
+
+    def wait_s(self) -> float | None:
+        """For a message: none after Finish, else to the next try of a failed request."""
+        if self.deadline is not None:
+            return 0.0
+        tries = [self.retry_at.get(item, 0.0) for item in self.work()]
+        return max(min(tries) - time.monotonic(), 0.0) if tries else None
+
+    def outcome(self) -> Mirrored:
+        newest = self.saves[-1] if self.saves else Saved("", ())
+        named = all(self.named.get(p) == newest.step_file for p in newest.pointers)
+        return Mirrored(tuple(self.work()), newest.step_file, bool(newest.step_file) and named)
+
+    def bring(self, item: str) -> None:
+        """One request for `item`: a pointer's copy, or a file's upload."""
+        target = self.targets().get(item)
         try:
-            stat = path.stat()
-        except FileNotFoundError:
+            if target is not None:
+                self.remote.copy(target, item, self.deadline)
+                self.named[item] = target
+                self.prune()
+            else:
+                self.put(item)
+        except request_errors() as error:
+            if target is None and not (self.local / item).exists():  # rotated away: --keep
+                self.steps.discard(item)
+                self.record.discard(item)
+            else:
+                self.failed(item, error)
             return
+        if self.failures.pop(item, 0):
+            self.report(f"{self.remote.describe(item)} is in the bucket after all: uploads "
+                        "work again")
+        self.retry_at.pop(item, None)
+
+    def put(self, relative: str) -> None:
+        stat = (self.local / relative).stat()
         started = time.monotonic()
-        try:
-            self.remote.put(path, relative, self.deadline)
-        except Exception as error:  # noqa: BLE001
-            if path.exists():  # else rotated away by --keep mid-upload: nothing to retry
-                self._failed(relative, error)
-            return
+        self.remote.put(self.local / relative, relative, self.deadline)
         seconds = time.monotonic() - started
         self.busy_s += seconds
-        self.uploaded[relative] = (stat.st_size, stat.st_mtime_ns)
-        if self.failures.pop(relative, 0):
-            self.report(f"uploaded {self.remote.describe(relative)} after all: uploads work "
-                        "again")
-        self.retry_at.pop(relative, None)
-        if STEP_FILE.search(relative):
-            self.remote_steps = [s for s in self.remote_steps if s != path.name] + [path.name]
-            self._report_checkpoint(relative, stat.st_size, seconds)
-            # the newest save that is whole (by time; saves within one clock tick by name)
-            if (stat.st_mtime_ns, path.name) > self.newest_uploaded:
-                self.newest_uploaded = (stat.st_mtime_ns, path.name)
-                self._point_last()
-
-    def _failed(self, relative: str, error: BaseException) -> None:
-        count = self.failures.get(relative, 0)
-        self.failures[relative] = count + 1
-        self.retry_at[relative] = time.monotonic() + RETRY_WAITS_S[min(count,
-                                                                        len(RETRY_WAITS_S) - 1)]
-        if count == 0:  # said once per file, not per attempt
-            kept = "the bucket's last.pt still names " + (self.pointers.get("last.pt") or
-                                                         "the checkpoint it named before")
-            self.report(f"could not upload {relative} to {self.remote.describe()} "
-                        f"({refusal(error)}); it stays in {self.local / relative}; "
-                        f"training goes on and the upload is tried again"
-                        + (f"; {kept}" if STEP_FILE.search(relative) else ""))
-
-    def _report_checkpoint(self, relative: str, size: int, seconds: float) -> None:
-        backlog = [r for r in self._changed() if r != relative]
-        waiting_mb = sum((self.local / r).stat().st_size for r in backlog
-                         if (self.local / r).exists()) / MB
-        self.report(f"uploaded {relative} ({size / MB:.1f} MB) to {self.remote.describe()} in "
-                    f"{seconds:.1f} s ({size / MB / max(seconds, 1e-6):.0f} MB/s); backlog: "
-                    f"{len(backlog)} files, {waiting_mb:.1f} MB")
-
-    def _point(self, pointer: str, step_file: str) -> None:
-        """The bucket's last.pt (best.pt) becomes a copy of a step file whose upload completed;
-        then the bucket keeps only the newest --keep step files (last.pt and best.pt are
-        copies, not links: the step files they copied may go)."""
-        self.remote.copy(f"checkpoints/{step_file}", f"checkpoints/{pointer}", self.deadline)
-        self.pointers[pointer] = step_file
-        try:
-            while len(self.remote_steps) > self.keep:
-                self.remote.delete(f"checkpoints/{self.remote_steps[0]}")
-                self.remote_steps.pop(0)
-        except Exception:  # noqa: BLE001 (tried again at the next save: costs only room)
-            pass
-
-    def _point_last(self) -> None:
-        """last.pt names the newest step file whose upload completed (kept trying)."""
-        name = self.newest_uploaded[1]
-        if not name or self.pointers.get("last.pt") == name:
+        if relative in self.record:
+            self.record.discard(relative)
+            self.uploaded[relative] = (stat.st_size, stat.st_mtime_ns)
             return
-        try:
-            self._point("last.pt", name)
-        except Exception as error:  # noqa: BLE001
-            self._failed("checkpoints/last.pt", error)
-            return
-        if self.failures.pop("checkpoints/last.pt", 0):
-            self.report(f"{self.remote.describe('checkpoints/last.pt')} names {name} after "
-                        "all: uploads work again")
+        self.steps.discard(relative)
+        self.whole.add(relative)
+        self.in_bucket.add(relative)
+        backlog = [(stamp(self.local / r) or (0,))[0] for r in (*self.steps, *self.record)]
+        size, rate = stat.st_size / MB, stat.st_size / MB / max(seconds, 1e-6)
+        self.report(f"uploaded {relative} ({size:.1f} MB) to {self.remote.describe()} in "
+                    f"{seconds:.1f} s ({rate:.0f} MB/s); backlog: {len(backlog)} files, "
+                    f"{sum(backlog) / MB:.1f} MB")
 
-    def _point_best(self) -> None:
-        """best.pt follows the local one once the step file it names is in the bucket."""
-        target = self._target_of("best.pt")
-        if target and f"checkpoints/{target}" in self.uploaded \
-                and self.pointers.get("best.pt") != target:
+    def prune(self) -> None:
+        """The bucket keeps the newest --keep step files (pointers are copies), and one a pointer
+        has yet to copy. A failed delete costs room only: said once, tried after each save."""
+        session = {save.step_file: index for index, save in enumerate(self.saves)}
+        oldest_first = sorted(self.in_bucket, key=lambda s: (s in session, session.get(s, 0), s))
+        moving = {t for pointer, t in self.targets().items() if self.named.get(pointer) != t}
+        for old in oldest_first[:-self.keep]:
             try:
-                self._point("best.pt", target)
-            except Exception as error:  # noqa: BLE001
-                self._failed("checkpoints/best.pt", error)
+                if old not in moving:
+                    self.remote.delete(old)
+                    self.in_bucket.discard(old)
+                    self.failures.pop("delete", None)
+            except request_errors() as error:
+                if not self.failures.get("delete"):
+                    self.report(f"could not delete {self.remote.describe(old)} ({refusal(error)})"
+                                "; the bucket keeps it until a delete works again (tried after "
+                                "each save)")
+                self.failures["delete"] = 1
 
-    def _target_of(self, pointer: str) -> str:
-        target = step_file_of(self.local / "checkpoints" / pointer)
-        return target.name if target else ""
+    def failed(self, item: str, error: BaseException) -> None:
+        """Said once per file; tried again after RETRY_WAITS_S (after Finish: not again)."""
+        count = self.failures.get(item, 0)
+        self.failures[item] = count + 1
+        self.retry_at[item] = float("inf") if self.deadline is not None else \
+            time.monotonic() + RETRY_WAITS_S[min(count, len(RETRY_WAITS_S) - 1)]
+        kept = "; the bucket's last.pt still names the checkpoint it named before"
+        if not count:
+            self.report(f"could not upload {item} to {self.remote.describe()} "
+                        f"({refusal(error)}); it stays in {self.local / item}; training goes "
+                        "on and the upload is tried again"
+                        + (kept if any(s.step_file == item for s in self.saves) else ""))
 
-    def waiting(self) -> list[str]:
-        """What the bucket lacks (a pointer follows its step file at once, see _upload)."""
-        waiting = self._changed()
-        if self.pointers.get("last.pt", "") != self.newest_uploaded[1]:
-            waiting.append("checkpoints/last.pt")
-        return waiting
 
-
-def step_file_of(pointer: Path) -> Path | None:
-    """The step file that a checkpoint folder's last.pt or best.pt is another name of (a hard
-    link: CheckpointFolder.save); None if the pointer or its step file is gone."""
+def stamp(path: Path) -> tuple[int, int] | None:
+    """(size, mtime_ns) of a file; None once it is gone (a step file rotated away by --keep)."""
     try:
-        inode = pointer.stat().st_ino
-        return next((p for p in pointer.parent.glob("step-*.pt") if p.stat().st_ino == inode),
-                    None)
+        stat = path.stat()
     except FileNotFoundError:
         return None
+    return stat.st_size, stat.st_mtime_ns

@@ -4,13 +4,13 @@ Before any worker starts (the primary only): the bucket takes a write, and a new
 reuse the name of one already there. `--resume auto` on a machine that has never seen the run
 fetches the bucket's last.pt and the run's other files (metrics.jsonl, ...) into the staging
 folder; `--resume URL` fetches that checkpoint into the cache. While the run trains, the
-uploader (app/catalog/uploader.py, in a process of its own: app/launch/upload_process.py)
-mirrors the staging folder; at the end the driver waits for it, after a stop request only for
-what is left of --stop-timeout.
+upload process (app/catalog/uploader.py) uploads what the primary says it saved; at the end the
+driver waits for it, after a stop request only for what is left of --stop-timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -18,12 +18,11 @@ from pathlib import Path
 from app.catalog import Catalog
 from app.catalog.fetcher import fetch
 from app.catalog.locations import MODELS
-from app.catalog.remote_run import RemoteRunFolder, is_url, staging_folder
+from app.catalog.remote_run import RemoteRunFolder, is_url, request_errors, staging_folder
 from app.catalog.storage import DatasetRoot
-from app.catalog.uploader import Mirrored, step_file_of
+from app.catalog.uploader import Mirrored, UploadProcess
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
-from app.launch.upload_process import UploadProcess
 from app.training.job import TrainJob
 
 log = logging.getLogger("imagenet_dp")
@@ -58,10 +57,10 @@ def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
     remote = RemoteRunFolder(run_store(catalog, output_dir, name))
     local = run_dir(output_dir, name)
     try:
-        files = remote.files()
+        files = sorted(remote.sizes())
     except FileNotFoundError:
         files = []
-    except Exception as error:  # noqa: BLE001
+    except request_errors() as error:
         raise UserError(f"--resume auto: cannot list {remote.describe()} ({error}); check "
                         "the credentials and --output-dir") from None
     if "checkpoints/last.pt" not in files:
@@ -86,14 +85,18 @@ def check_bucket(store: DatasetRoot, resuming: bool, config_toml: str) -> None:
                         "auto, or choose another --run-name")
 
 
-def start_mirror(job: TrainJob) -> UploadProcess:
-    """The uploader of the run folder that the primary writes, in a process of its own."""
-    return UploadProcess(Path(job.run_dir), RemoteRunFolder(job.output_store),
-                         job.config.run.keep_checkpoints, log.info)
+def start_uploads(job: TrainJob, primary: bool) -> tuple[UploadProcess | None, TrainJob]:
+    """For a run folder in a bucket, on the primary: the upload process, and the job that
+    carries its inbox to the process that saves."""
+    if not (job.output_store and primary):
+        return None, job
+    uploader = UploadProcess(Path(job.run_dir), RemoteRunFolder(job.output_store),
+                             job.config.run.keep_checkpoints, log.info)
+    return uploader, dataclasses.replace(job, uploads=uploader.uploads)
 
 
-def finish_mirror(uploader: UploadProcess | None, code: int, stop_timeout: float
-                  ) -> tuple[int, Mirrored | None]:
+def finish_uploads(uploader: UploadProcess | None, code: int, stop_timeout: float
+                   ) -> tuple[int, Mirrored | None]:
     """Wait for the last uploads (after a stop request: what is left of --stop-timeout since
     the signal). A run that ended well but left files only here ends with 1."""
     if uploader is None:
@@ -102,7 +105,7 @@ def finish_mirror(uploader: UploadProcess | None, code: int, stop_timeout: float
     stopped = code == PREEMPTED_EXIT_CODE
     budget = max(stop_timeout - (since or 0.0), 0.0) if stopped else FINISH_TIMEOUT_S
     mirrored = uploader.finish(budget)
-    if mirrored.complete:
+    if not mirrored.waiting:
         log.info("run folder uploaded to %s (%.1f s of uploading in all)",
                  uploader.remote.describe(), uploader.busy_s)
         return code, mirrored
@@ -118,8 +121,10 @@ def stop_hint(store: DatasetRoot, local_last: Path, mirrored: Mirrored | None) -
     """(what holds the stop's checkpoint, the --resume that continues from it). The bucket
     does once its last.pt is a copy of the stop's step file, even if older ones (or the
     metrics) were still waiting when --stop-timeout ran out."""
-    target = step_file_of(local_last) or local_last
-    if mirrored is not None and mirrored.last == target.name:
-        return f"{store.describe('checkpoints/last.pt')} (a copy of {mirrored.last})", "auto"
+    if mirrored is not None and mirrored.newest_named:
+        name = Path(mirrored.newest).name
+        return f"{store.describe('checkpoints/last.pt')} (a copy of {name})", "auto"
+    target = local_last.parent / Path(mirrored.newest).name if mirrored and mirrored.newest \
+        else local_last
     return (f"{target} only on this machine (its upload to {store.describe()} did not finish "
             "within --stop-timeout)", str(target))

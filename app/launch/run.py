@@ -69,13 +69,13 @@ def main(argv: list[str]) -> int:
                                    config_toml=dump_toml(job.config))
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=primary)
-    uploader = remote_output.start_mirror(job) if job.output_store and primary else None
+    uploader, job = remote_output.start_uploads(job, primary)
     if launch:
         from app.launch.worker import launched_process  # noqa: PLC0415 (torch: this is a worker)
         code = launched_process(job, launch, launched_device(devices, launch))
     else:
         code = run_group(job, devices, mode)
-    code, mirrored = remote_output.finish_mirror(uploader, code, job.config.run.stop_timeout)
+    code, mirrored = remote_output.finish_uploads(uploader, code, job.config.run.stop_timeout)
     if code == PREEMPTED_EXIT_CODE and primary:
         print(resume_hint(job, mirrored), file=sys.stderr)
     moment("driver:end")

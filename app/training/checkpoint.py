@@ -13,7 +13,7 @@ import random
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -108,25 +108,30 @@ def _point(name: Path, target: Path) -> None:
 class CheckpointFolder:
     """runs/<run>/checkpoints: step-<N>.pt for the last `keep` saves, last.pt and best.pt as
     further names of one of them. Every file is complete at all times: a process killed while
-    saving leaves the previous last.pt in place."""
+    saving leaves the previous last.pt in place. `announce(step file, its pointers)` hears of
+    each save once it is on disk (a run folder in a bucket: the upload process)."""
 
-    def __init__(self, folder: str | Path, keep: int):
+    def __init__(self, folder: str | Path, keep: int,
+                 announce: Callable[[Path, Iterable[Path]], None] | None = None):
         self.folder = Path(folder)
         self.keep = max(1, keep)
+        self.announce = announce
 
     def save(self, payload: dict[str, Any], step: int, best: bool = False) -> Path:
         """Returns the path of the new step-<N>.pt (last.pt now names it too)."""
         path = self.folder / f"step-{step:09d}.pt"
         save(path, payload)
-        _point(self.folder / "last.pt", path)
-        if best:
-            _point(self.folder / "best.pt", path)
+        pointers = [self.folder / "last.pt", *([self.folder / "best.pt"] if best else [])]
+        for pointer in pointers:
+            _point(pointer, path)
         # Oldest first by time, not by step: a run resumed from an earlier checkpoint writes
         # lower step numbers that are still the newest files.
         saved = sorted(self.folder.glob("step-*.pt"), key=lambda p: p.stat().st_mtime_ns)
         for old in saved[:-self.keep]:
             old.unlink(missing_ok=True)  # last.pt and best.pt keep their data alive
         fsync_folder(self.folder)
+        if self.announce:  # before the moment: a process held there has said what it saved
+            self.announce(path, pointers)
         moment("checkpoint:saved")
         return path
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import Tables
+from app.catalog.uploader import Uploads
 from app.config import Config
 from app.data.resolution import Resolution
 from app.loggers import RunInfo
@@ -26,6 +27,8 @@ class TrainJob:
     requested_batch: tuple[int, int] = ()
     # --output-dir at a URL: the run folder's store (run_dir is then its staging folder here)
     output_store: DatasetRoot | None = None
+    # ... and what the primary tells the upload process it saved (None: a local run folder)
+    uploads: Uploads | None = field(default=None, compare=False)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -53,7 +53,8 @@ def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: b
                "class_words": list(job.tables.descriptions),
                "config": job.config.to_dict(), "run_id": job.run_id,
                "batch": batch_layout.record(job, env.world_size)}
-    folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints)
+    folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints,
+                                         announce=job.uploads.saved if job.uploads else None)
     return folder.save(payload, state["step"], best=best)
 
 

@@ -91,8 +91,7 @@ class Trainer:
                  parts: Parts | None = None):
         config, parts = job.config, parts or ConfigParts()
         self.job, self.env, self.sync = job, env, sync
-        self.logger = logger or NullLogger()
-        self.requests = requests or NoRequests()
+        self.logger, self.requests = logger or NullLogger(), requests or NoRequests()
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
@@ -112,8 +111,7 @@ class Trainer:
         self.criterion = CheckedLoss(parts.criterion(job), job.tables.num_classes)
         self.batch_augment = BatchAugment.from_config(config.augment, job.tables.num_classes,
                                                       config.train.seed, env.rank, env.world_size)
-        self.position = Position()
-        self.best_top1 = -1.0
+        self.position, self.best_top1 = Position(), -1.0
         self.epoch_sums = Tally(self.precision.device)
         self.interval = Tally(self.precision.device)
         self.pace = Pace()
@@ -312,6 +310,8 @@ class Trainer:
         if left is not None:
             metrics["run/remaining_s"] = left
         self.logger.log_metrics(self.position.step, metrics)
+        if self.job.uploads and self.env.is_primary:  # the record with the epoch's row
+            self.job.uploads.record()
         every = self.job.config.logging.save_weights_every
         if path and every and self.position.epoch % every == 0:
             self.logger.log_artifact(path, f"weights-{self.job.run_id}", "model",
