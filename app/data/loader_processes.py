@@ -122,7 +122,7 @@ def loader_death(error: BaseException) -> str | None:
 
 def describe_death(process: BaseProcess) -> str:
     code = process.exitcode
-    ended = _ended.get(process.pid)
+    ended = _ended.get(process.pid) or peek_ended(process.pid)
     if code is None and ended is not None:
         code = -ended.si_status if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) \
             else ended.si_status
@@ -132,6 +132,15 @@ def describe_death(process: BaseProcess) -> str:
     else:
         how = "ended" if code is None else f"exited with code {code}"
     return f"its loader process (pid {process.pid}) {how}"
+
+
+def peek_ended(pid: int) -> os.waitid_result | None:
+    """How a child that died ended, read without reaping it (the SIGCHLD handler may not have
+    run yet: it runs between bytecodes of the main thread, which may be waiting elsewhere)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already (or not our child): its cause is lost
+        return None
 
 
 def dead_loader() -> str | None:
