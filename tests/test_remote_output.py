@@ -153,38 +153,6 @@ def test_sigterm_uploads_then_exits_75_and_a_fresh_machine_continues_bit_identic
     assert f"{step_url}: top-1 {top1:.4f}" in validated.stdout
 
 
-def test_sigterm_to_every_process_of_two_workers_saves_and_one_worker_ends_it_from_the_bucket(
-        s3_server, tmp_path):
-    """Slurm's preemption, a spot machine's shutdown (systemd), `kill -- -PGID`: SIGTERM to
-    every process of a 2-worker ps run (its process group). The run saves, uploads and exits 75;
-    on a fresh machine (staging wiped) one worker resumes it from the bucket at the same global
-    batch and ends it, each epoch evaluated once in the record."""
-    new_bucket(s3_server, "group")
-    url, env = "s3://group/exp", {"AWS_ENDPOINT_URL": s3_server.endpoint}
-    common = (*CATALOG, *EXACT, "--run-name", "g", "--output-dir", url, "--stop-timeout", "30")
-    process = subprocess.Popen(driver(*common, *SPLITS["2 workers ps"]), cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **env}, start_new_session=True)
-    wait_for_step(process, staging_folder(url) / "g", 5)
-    os.killpg(process.pid, signal.SIGTERM)
-    code, stderr = process.wait(timeout=60), process.stderr.read()
-    assert code == PREEMPTED_EXIT_CODE, stderr
-    cut = as_checkpoint(bucket_files(s3_server, "group")["exp/g/checkpoints/last.pt"])
-    assert 5 <= cut["step"] < 20 and len(cut["replicas"]) == 2
-    assert f"after step {cut['step']} " in stderr  # the stop's checkpoint is the bucket's
-
-    shutil.rmtree(staging_folder(url))  # the requeued job runs on a machine that never saw it
-    resumed = run_driver(*common, *SPLITS["1 worker"], "--resume", "auto", cwd=tmp_path,
-                         env=env)
-    assert resumed.returncode == 0, resumed.stderr
-    files = bucket_files(s3_server, "group")
-    assert as_checkpoint(files["exp/g/checkpoints/last.pt"])["step"] == 40
-    rows = [json.loads(line) for line in files["exp/g/metrics.jsonl"].decode().splitlines()]
-    assert [r["epoch"] for r in rows if "val/top1" in r] == [1, 2]
-    steps = [r["step"] for r in rows if "val/top1" not in r and "step" in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 40
-
-
 def test_an_upload_that_cannot_finish_in_time_leaves_the_local_checkpoint_named(
         s3_server, tmp_path):
     """The proxy holds every checkpoint upload: after SIGTERM the driver waits out
