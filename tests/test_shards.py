@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from app.catalog.dataset import Dataset
+from app.catalog.retry import ATTEMPTS
 from app.catalog.shard_index import ShardError, index_tar
 from app.catalog.shard_writer import main as make_shards
 from app.catalog.shards import load_tables as shard_tables
@@ -215,10 +216,10 @@ def test_a_shard_that_vanishes_from_the_bucket_mid_run_is_tried_again_then_named
         proxy.stop()
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"error: shard {url}/{name} is missing after 3 attempts ("), \
-        message
+    assert message.startswith(
+        f"error: shard {url}/{name} is missing after {ATTEMPTS} attempts ("), message
     assert message.endswith("resume with --resume auto (the last checkpoint stands)"), message
-    assert tries >= 3  # the read that reports it tried 3 times (the fetch ahead may have too)
+    assert tries >= ATTEMPTS  # the read that reports it tried them all (the fetch ahead may too)
     cut = last(tmp_path / "runs" / "cut")
     assert (cut["epoch"], cut["epoch_step"]) == (0, 1)
 

@@ -53,11 +53,11 @@ class Refusing(RemoteRunFolder):
         super().__init__(root)
         self.puts = []
 
-    def put(self, local, relative, deadline=None):
+    def put(self, local, relative):
         if "checkpoints/" in relative and not self.allow:
             raise PermissionError("Access Denied")
         self.puts.append(relative)
-        super().put(local, relative, deadline)
+        super().put(local, relative)
 
     def delete(self, relative):
         if not self.allow:
@@ -147,8 +147,8 @@ def test_a_failed_upload_waits_for_its_retry_then_goes_up_without_a_finish(tmp_p
 
 def test_a_failed_delete_is_said_once_and_done_at_a_later_save(tmp_path):
     remote = Refusing(DatasetRoot("run", f"memory://bucket/{tmp_path.name}/undeleted"))
-    remote.put = lambda local, relative, deadline=None: RemoteRunFolder.put(
-        remote, local, relative, deadline)  # uploads pass, deletes are refused
+    remote.put = lambda local, relative: RemoteRunFolder.put(
+        remote, local, relative)  # uploads pass, deletes are refused
     local, said = tmp_path / "staged", []
     uploader = Uploader(local, remote, keep=1, report=said.append).start()
     for step in (1, 2, 3):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import app.catalog.archive as archive
 import app.catalog.sample as sample
 from app.catalog.dataset import Dataset
+from app.catalog.retry import BOTOCORE_RETRIES, request_errors
 from app.catalog.storage import (DEFAULT_CONCURRENCY, LAYOUTS, OBJECT_STORE_SCHEMES, READERS,
                                  SHARD_LAYOUTS, DatasetRoot, Location, default_cache_dir,
                                  scheme_of)
@@ -99,9 +100,7 @@ class Catalog:
             found = root.exists()
             if found and root.reader == "obstore":
                 root.store  # noqa: B018 (its configuration and credentials are checked here)
-        except UserError:
-            raise
-        except Exception as error:  # noqa: BLE001 (botocore/aiohttp errors: say what to check)
+        except request_errors() as error:
             hint = CREDENTIAL_HINTS.get(OBJECT_STORE_SCHEMES.get(scheme_of(url), ""), "the URL")
             raise UserError(f"dataset '{name}': cannot reach {url} "
                             f"({first_line(error, with_type=True)}); check {hint}") from None
@@ -214,14 +213,12 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
     if not url.startswith(("s3://", "s3a://")):
         return {}
     concurrency = entry.get("concurrency", DEFAULT_CONCURRENCY)
-    # Retries nest (botocore inside s3fs inside app/data/reader.py), so each layer is short.
     options: dict[str, Any] = {
         "max_concurrency": 1,  # one GET per object, without a HEAD request first
-        "retries": 2,  # s3fs: dropped connections, SlowDown
         "config_kwargs": {
             "max_pool_connections": concurrency,  # botocore's default of 10 would cap it
             "connect_timeout": 10, "read_timeout": 30,  # no request waits forever
-            "retries": {"max_attempts": 3, "mode": "standard"},  # 5xx and throttling
+            "retries": BOTOCORE_RETRIES,  # app/catalog/retry.py: the one policy
             "response_checksum_validation": "when_required",
         },
     }

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
+from app.catalog.retry import request_errors
 from app.catalog.storage import Location, default_cache_dir, scheme_of
 from app.runtime.errors import UserError, first_line
 
@@ -180,7 +181,7 @@ class Remote:
     def reaching(self) -> Iterator[None]:
         try:
             yield
-        except network_errors() as error:
+        except request_errors() as error:
             raise unreachable(self.url, self.where, error) from None
 
 
@@ -211,7 +212,7 @@ def download(remote: Remote, part: Path, algorithm: str | None, report: Report) 
             needs = f"the file takes {format_size(remote.size)}" if remote.size else "the file"
             raise no_room(remote.url, part.parent, error, remote.where, needs) from None
         raise cut(remote.url, part, remote.size, first_line(error, 200, True)) from None
-    except network_errors() as error:
+    except request_errors() as error:
         raise cut(remote.url, part, remote.size, first_line(error, 200, True)) from None
     if size and part.stat().st_size != size:  # closed early, without a Content-Length
         raise cut(remote.url, part, size, "the server closed the connection")
@@ -240,17 +241,6 @@ def _chunks(file, chunk: bytes) -> Iterator[bytes]:
         while chunk:
             yield chunk
             chunk = file.read(CHUNK_BYTES)
-
-
-@functools.cache
-def network_errors() -> tuple[type[BaseException], ...]:
-    """What the clients raise when a request fails or a connection breaks: OSError (s3fs's
-    answers, timeouts, a refused connection), aiohttp's (fsspec's http), botocore's, obstore's."""
-    import aiohttp  # noqa: PLC0415 (clients load with the first download)
-    import botocore.exceptions  # noqa: PLC0415
-    import obstore.exceptions  # noqa: PLC0415
-    return (OSError, aiohttp.ClientError, botocore.exceptions.BotoCoreError,
-            botocore.exceptions.ClientError, obstore.exceptions.BaseError)
 
 
 def unreachable(url: str, where: str, error: BaseException) -> FetchError:

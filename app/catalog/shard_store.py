@@ -12,21 +12,17 @@ outside the current and next windows (app/data/shard_reader.py).
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.catalog.fetcher import FetchError, NotFound, cached_path, fetch, lock
 from app.catalog.shard_index import (RESUME, ShardError, ShardIndex, index_tar, missing_shard,
                                      unpack_parquet)
+from app.catalog.retry import ATTEMPTS, retried
 from app.catalog.storage import DatasetRoot, default_cache_dir
 from app.runtime.files import atomic_path, remove_temporaries
 
 DEFAULT_CACHE_GB = 50.0
-# Per shard, as per image (app/data/reader.py), on top of the client's own retries: a shard
-# cannot be skipped like an image, and a cut fetch is continued where it stopped.
-ATTEMPTS = 3
-BACKOFF_S = 0.5
 SHARDS = "shards"  # their kind in the cache
 NOT_DATA = (".index.npz", ".lock", ".part")  # what a shard's folder holds beside its data
 
@@ -94,20 +90,18 @@ class ShardStore:
         index.save(index_file)  # last: `ready` needs it
 
     def fetch(self, shard: str) -> Path:
-        """The whole shard in the cache; a failure, a vanished shard included, is tried again
-        like a GET (a cut download goes on where it stopped)."""
-        for attempt in range(ATTEMPTS):
-            if attempt:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-            try:
-                return fetch(self.root, SHARDS, shard, cache=self.cache)
-            except FetchError as failure:
-                error = failure
-        cause = f" after {ATTEMPTS} attempts ({error.why})"
-        if isinstance(error, NotFound):
-            raise missing_shard(self.root.describe(shard), cause)
-        raise ShardError(f"shard {self.root.describe(shard)} is unreadable{cause}; check that "
-                         f"it is readable, then {RESUME}")
+        """The whole shard in the cache. Our one layer of retries (app/catalog/retry.py): a shard
+        cannot be skipped like an image, so a fetch that failed after the client's own tries is
+        tried again whole: a cut download goes on where it stopped, and a listed shard answered
+        404 (a bucket being synced) is asked for again."""
+        try:
+            return retried(lambda: fetch(self.root, SHARDS, shard, cache=self.cache), FetchError)
+        except FetchError as error:
+            cause = f" after {ATTEMPTS} attempts ({error.why})"
+            if isinstance(error, NotFound):
+                raise missing_shard(self.root.describe(shard), cause) from None
+            raise ShardError(f"shard {self.root.describe(shard)} is unreadable{cause}; check "
+                             f"that it is readable, then {RESUME}") from None
 
     def data_files(self) -> list[Path]:
         """The fetched and unpacked shards of the cache folder, every dataset's: its bound is

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from app.catalog.retry import OBSTORE_RETRY, S3FS_RETRIES
 from app.runtime.errors import UserError
 
 DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
@@ -29,13 +29,6 @@ OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "az": "azure", "ab
                         "abfss": "azure", "adl": "azure", "azure": "azure"}
 READERS = ("obstore", "s3fs")
 
-# obstore retries 5xx answers, throttling, dropped connections and timeouts itself, with
-# exponential backoff and jitter. Few retries each with short waits: the reader's own attempts
-# (app/data/reader.py) sit on top, and a permanently failing object must cost its batch only
-# a few seconds before it is skipped (3 attempts x 3 requests: at most 3.6 s of waiting).
-OBJECT_STORE_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=3),
-                      "backoff": {"init_backoff": timedelta(milliseconds=100),
-                                  "max_backoff": timedelta(milliseconds=500), "base": 2}}
 OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no request waits forever
 
 
@@ -164,16 +157,14 @@ def _open_filesystem(url: str, options: dict[str, Any], store_options: dict[str,
         from obstore.fsspec import FsspecStore  # noqa: PLC0415
         settings = _store_settings(scheme_of(url), store_options)
         return FsspecStore(scheme_of(url), **settings), url.split("://", 1)[1].rstrip("/")
-    # s3fs takes its retry count as an attribute, not as a constructor argument.
-    arguments = {k: v for k, v in options.items() if k != "retries"}
     try:
-        fs, root = fsspec.core.url_to_fs(url, **arguments)
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as error:
         raise UserError(f"cannot open {url}: {error}; install the package it names") from None
     except ValueError as error:
         raise UserError(f"cannot open {url}: {error}") from None
-    if "retries" in options:
-        fs.retries = options["retries"]
+    if OBJECT_STORE_SCHEMES.get(scheme_of(url)) == "s3":  # s3fs: an attribute, not an argument
+        fs.retries = S3FS_RETRIES
     return fs, root
 
 
@@ -197,7 +188,7 @@ def _store_settings(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     managed identity."""
     endpoint = options.get("endpoint_url", "")
     client = {**OBJECT_STORE_TIMEOUTS, "allow_http": endpoint.startswith("http://")}
-    settings: dict[str, Any] = {"client_options": client, "retry_config": OBJECT_STORE_RETRY}
+    settings: dict[str, Any] = {"client_options": client, "retry_config": OBSTORE_RETRY}
     config: dict[str, Any] = {"skip_signature": True} if options.get("anon") else {}
     if OBJECT_STORE_SCHEMES.get(scheme) == "s3":
         if endpoint:

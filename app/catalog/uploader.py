@@ -31,13 +31,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.catalog.remote_run import RemoteRunFolder, refusal, request_errors
+from app.catalog.remote_run import RemoteRunFolder, refusal
+from app.catalog.retry import REFUSED, request_errors
+from app.runtime.files import stamp
 from app.runtime.interrupts import ignore_stop_signals
 from app.runtime.liveness import die_with_parent
 from app.runtime.spawning import main_module_spawn_can_run
 
 UPLOAD_NICENESS = 0  # the training's own: a lower one starves the upload on busy cores
-RETRY_WAITS_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # before a failed upload is tried again
+RETRY_WAITS_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # after the clients' own tries (app/catalog/retry.py)
 ANSWER_GRACE_S = 2.0  # after the deadline, for the answer's way back on a loaded machine
 EARLIER_STEP_FILE = re.compile(r"step-\d+\.pt$")  # an earlier session's, pruned by --keep too
 MB = 1e6
@@ -219,9 +221,11 @@ class Uploader:
                 return None
             except queue.Empty:
                 pass
-            due = [item for item in self.work() if self.retry_at.get(item, 0) <= time.monotonic()]
-            if self.deadline is not None and (not due or time.monotonic() >= self.deadline):
+            now, work = time.monotonic(), self.work()
+            if self.deadline is not None and all(  # nothing left to try before the deadline
+                    max(self.retry_at.get(i, 0), now) >= self.deadline for i in work):
                 return self.outcome()
+            due = [item for item in work if self.retry_at.get(item, 0) <= now]
             if due:
                 self.bring(due[0])
                 progress(self.outcome())
@@ -238,7 +242,7 @@ class Uploader:
                             if self.uploaded.get(relative) != stamp(self.local / relative)}
         else:
             self.deadline = message.deadline
-            self.retry_at.clear()  # every failed request is tried once more, at once
+            self.retry_at.clear()  # every failed request is tried again at once
 
     def work(self) -> list[str]:
         """What the bucket lacks, in the order it goes: the newest checkpoint, the pointers
@@ -256,10 +260,10 @@ class Uploader:
                 for pointer in save.pointers}
 
     def wait_s(self) -> float | None:
-        """For a message: none after Finish, else to the next try of a failed request."""
-        if self.deadline is not None:
-            return 0.0
+        """For a message, or to the next try of a failed request before Finish's deadline."""
         tries = [self.retry_at.get(item, 0.0) for item in self.work()]
+        if self.deadline is not None:
+            tries = [at for at in tries if at < self.deadline] or [0.0]
         return max(min(tries) - time.monotonic(), 0.0) if tries else None
 
     def outcome(self) -> Mirrored:
@@ -272,7 +276,7 @@ class Uploader:
         target = self.targets().get(item)
         try:
             if target is not None:
-                self.remote.copy(target, item, self.deadline)
+                self.remote.copy(target, item)
                 self.named[item] = target
                 self.prune()
             else:
@@ -292,7 +296,7 @@ class Uploader:
     def put(self, relative: str) -> None:
         stat = (self.local / relative).stat()
         started = time.monotonic()
-        self.remote.put(self.local / relative, relative, self.deadline)
+        self.remote.put(self.local / relative, relative)
         seconds = time.monotonic() - started
         self.busy_s += seconds
         if relative in self.record:
@@ -328,10 +332,11 @@ class Uploader:
                 self.failures["delete"] = 1
 
     def failed(self, item: str, error: BaseException) -> None:
-        """Said once per file; tried again after RETRY_WAITS_S (after Finish: not again)."""
+        """Said once per file; tried again after RETRY_WAITS_S (after Finish: not if refused)."""
         count = self.failures.get(item, 0)
         self.failures[item] = count + 1
-        self.retry_at[item] = float("inf") if self.deadline is not None else \
+        refused = self.deadline is not None and isinstance(error, REFUSED)  # it would wait it out
+        self.retry_at[item] = float("inf") if refused else \
             time.monotonic() + RETRY_WAITS_S[min(count, len(RETRY_WAITS_S) - 1)]
         kept = "; the bucket's last.pt still names the checkpoint it named before"
         if not count:
@@ -339,12 +344,3 @@ class Uploader:
                         f"({refusal(error)}); it stays in {self.local / item}; training goes "
                         "on and the upload is tried again"
                         + (kept if any(s.step_file == item for s in self.saves) else ""))
-
-
-def stamp(path: Path) -> tuple[int, int] | None:
-    """(size, mtime_ns) of a file; None once it is gone (a step file rotated away by --keep)."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_size, stat.st_mtime_ns

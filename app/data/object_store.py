@@ -12,27 +12,25 @@ current and the announced images are kept, anything else is dropped.
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from app.catalog.retry import ATTEMPTS, request_errors
 from app.catalog.storage import DatasetRoot
 from app.runtime.errors import first_line
 
 Outcome = tuple[bytes | None, str]  # (bytes, "") or (None, why not)
 
 # A batch waits at most this long for its images (each GET has its own timeouts and
-# retries in app/catalog/storage.py); the ones still missing then are skipped, not waited for.
+# retries: app/catalog/retry.py); the ones still missing then are skipped, not waited for.
 WAIT_LIMIT_S = 300.0
 
 
 class ObjectStoreReads:
     """Picklable: the thread pool and the store client are created in the reading process."""
 
-    def __init__(self, root: DatasetRoot, concurrency: int, attempts: int, backoff_s: float):
+    def __init__(self, root: DatasetRoot, concurrency: int):
         self.root = root
         self.concurrency = concurrency
-        self.attempts = attempts
-        self.backoff_s = backoff_s
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
 
@@ -68,22 +66,16 @@ class ObjectStoreReads:
         import obstore  # noqa: PLC0415 (loads in the reading process only)
         from obstore.exceptions import (InvalidPathError, PermissionDeniedError,  # noqa: PLC0415
                                         UnauthenticatedError)
-        store = self.root.store
-        error: Exception | None = None
-        for attempt in range(self.attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                return bytes(obstore.get(store, path).bytes()), ""
-            except FileNotFoundError:
-                return None, "missing"
-            except (PermissionDeniedError, UnauthenticatedError):
-                return None, "access denied"
-            except InvalidPathError as invalid:
-                return None, f"not a valid object name: {first_line(invalid)}"
-            except Exception as failure:  # noqa: BLE001 (what is left after obstore's retries)
-                error = failure
-        return None, f"unreadable after {self.attempts} attempts: {cause(error)}"
+        try:
+            return bytes(obstore.get(self.root.store, path).bytes()), ""
+        except FileNotFoundError:
+            return None, "missing"
+        except (PermissionDeniedError, UnauthenticatedError):
+            return None, "access denied"
+        except InvalidPathError as invalid:
+            return None, f"not a valid object name: {first_line(invalid)}"
+        except request_errors() as error:  # what is left after obstore's own tries
+            return None, f"unreadable after {ATTEMPTS} attempts: {cause(error)}"
 
 
 def cause(error: BaseException) -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 from app.catalog import Catalog
 from app.catalog.fetcher import fetch
 from app.catalog.locations import MODELS
-from app.catalog.remote_run import RemoteRunFolder, is_url, request_errors, staging_folder
+from app.catalog.remote_run import RemoteRunFolder, is_url, staging_folder
+from app.catalog.retry import request_errors
 from app.catalog.storage import DatasetRoot
 from app.catalog.uploader import Mirrored, UploadProcess
 from app.runtime.errors import UserError

@@ -79,3 +79,12 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
+
+
+def stamp(path: Path) -> tuple[int, int] | None:
+    """(size, mtime_ns) of a file: whether it changed since; None once it is gone."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns

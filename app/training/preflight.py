@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from app.catalog.retry import request_errors
 from app.catalog.shard_store import ShardStore
 from app.catalog.storage import DatasetRoot
 from app.data.windows import DEFAULT_WINDOW
@@ -167,7 +168,7 @@ def _exists_remote(root, path: str) -> bool:
     either: it counts as missing."""
     try:
         return root.exists(path)
-    except Exception:  # noqa: BLE001 (botocore/aiohttp errors of one object)
+    except request_errors():
         return False
 
 
