@@ -16,7 +16,7 @@ from filelock import FileLock
 from app.catalog import fetcher
 from app.catalog.storage import DatasetRoot, Location
 from conftest import REPO
-from file_server import FileServer
+from test_archive import server  # noqa: F401 (the loopback HTTP server fixture, shared)
 
 FETCH_IN_A_PROCESS = """
 import sys
@@ -25,14 +25,6 @@ from app.catalog.storage import Location
 print(fetch(Location(sys.argv[1]), "models", cache=sys.argv[2],
             report=lambda line: print(line, flush=True)), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("served")
-    served = FileServer(folder, folder.parent / "requests.jsonl")
-    yield served
-    served.stop()
 
 
 def gets(server, name: str) -> int:
