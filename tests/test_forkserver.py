@@ -1,6 +1,6 @@
 """The forkserver the run's processes start from (app/runtime/forkserver.py), and the traps of
-Python's forkserver, each shown here: a child sees the caller's environment and sys.path as
-they are when it starts, not as they were when the server started; a preload that cannot be
+Python's forkserver, each shown here: a child sees the caller's environment, sys.path and
+output as they are when it starts, not as they were when the server started; a preload that cannot be
 imported fails loudly, with its reason; the server dies with the process that started it, even
 while it imports; its preload never initialises CUDA; a process that has made an object-store
 request forks no loader processes.
@@ -10,6 +10,7 @@ tests/test_process_deaths.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,22 @@ def report_environment(path: str) -> None:
     """In a child: what it sees of the caller's environment and sys.path."""
     Path(path).write_text(json.dumps({"mark": os.environ.get("IMAGENET_DP_TEST_MARK"),
                                       "path": sys.path, "parent": os.getppid()}))
+    print(f"printed with the mark {os.environ.get('IMAGENET_DP_TEST_MARK')}", flush=True)
+
+
+@contextlib.contextmanager
+def stdout_to(path: Path):
+    """This process's stdout (the descriptor, as a caller's capture or redirection sets it)
+    goes to `path` meanwhile."""
+    sys.stdout.flush()
+    saved, target = os.dup(1), os.open(path, os.O_WRONLY | os.O_CREAT)
+    os.dup2(target, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(target)
 
 
 def start_child(path: Path) -> dict:
@@ -43,23 +60,27 @@ def start_child(path: Path) -> dict:
     reports = context.Queue()  # kept: its semaphores go when it does, maybe before the child
     child = context.Process(target=child_entry, args=(
         "child", ByName(__name__, "report_environment"), (str(path),), reports,
-        forkserver.environ_now(), forkserver.server_pid()))
+        forkserver.caller_now(), forkserver.server_pid()))
     child.start()
     child.join(timeout=60)
     assert child.exitcode == 0
     return json.loads(path.read_text())
 
 
-def test_a_child_sees_the_callers_environment_and_sys_path_as_they_are_when_it_starts(
+def test_a_child_sees_the_callers_environment_sys_path_and_output_as_they_are_when_it_starts(
         tmp_path, monkeypatch):
-    """As a second app.train in one notebook, after the notebook changed both: the server
+    """As a second app.train in one notebook, after the notebook changed all three: the server
     started before the changes serves both calls."""
     monkeypatch.setenv("IMAGENET_DP_TEST_MARK", "before")
-    first = start_child(tmp_path / "first.json")
+    with stdout_to(tmp_path / "first.out"):
+        first = start_child(tmp_path / "first.json")
     server = forkserver.server_pid()
     monkeypatch.setenv("IMAGENET_DP_TEST_MARK", "after")
     monkeypatch.syspath_prepend(str(tmp_path / "added"))
-    second = start_child(tmp_path / "second.json")
+    with stdout_to(tmp_path / "second.out"):
+        second = start_child(tmp_path / "second.json")
+    assert (tmp_path / "first.out").read_text() == "printed with the mark before\n"
+    assert (tmp_path / "second.out").read_text() == "printed with the mark after\n"
     assert forkserver.server_pid() == server == first["parent"] == second["parent"]
     assert (first["mark"], second["mark"]) == ("before", "after")
     assert str(tmp_path / "added") in second["path"]

@@ -74,6 +74,21 @@ def test_starting_a_process_calls_the_forkservers_ensure_running_which_can_be_re
         "multiprocessing.forkserver._forkserver.ensure_running is no longer what a start calls"
 
 
+def test_a_descriptor_reaches_a_child_of_the_forkserver_through_dupfd():
+    dup_fd = private("multiprocessing.reduction.DupFd")
+    assert list(inspect.signature(dup_fd).parameters) == ["fd"], \
+        "multiprocessing.reduction.DupFd no longer takes one descriptor"
+    assert run_python(
+        "import os; from multiprocessing import get_context\n"
+        "from app.runtime.private_api import PassedFd\n"
+        "reader, writer = os.pipe()\n"
+        "process = get_context('forkserver').Process(target=os.write,\n"
+        "                                            args=(PassedFd(writer), b'passed'))\n"
+        "process.start(); process.join(60); os.close(writer)\n"
+        "print(process.exitcode, os.read(reader, 64).decode())") == ["0", "passed"], \
+        "multiprocessing.reduction.DupFd no longer hands a child of the forkserver our descriptor"
+
+
 def test_atexit_runs_its_handlers_on_request():
     assert callable(private("atexit._run_exitfuncs"))  # a builtin: no signature to read
     assert run_python("import atexit, os; from app.runtime.private_api import run_exit_handlers; "

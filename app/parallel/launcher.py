@@ -44,14 +44,15 @@ STOP_GRACE_S = 3.0  # for a killed child to be reaped
 
 
 def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
-                environ: dict[str, str], server: int) -> None:
-    """Wraps every child: takes the driver's environment as it was when the child was started,
-    dies with the forkserver `server` (which ends with the driver), leaves every stop signal to
-    the driver (a terminal's Ctrl-C, Slurm's preemption and --signal, systemd's stop of a
-    machine and `kill -- -PGID` reach every process, not only the driver: each is the same
-    request to save, which the driver passes on as a step to stop after), and reports why it
-    failed before exiting non-zero. The driver ends a child with SIGKILL (stop_all)."""
-    forkserver.apply_environ(environ)
+                caller: forkserver.Caller, server: int) -> None:
+    """Wraps every child: takes the driver's environment and output as they were when the
+    child was started, dies with the forkserver `server` (which ends with the driver), leaves
+    every stop signal to the driver (a terminal's Ctrl-C, Slurm's preemption and --signal,
+    systemd's stop of a machine and `kill -- -PGID` reach every process, not only the driver:
+    each is the same request to save, which the driver passes on as a step to stop after), and
+    reports why it failed before exiting non-zero. The driver ends a child with SIGKILL
+    (stop_all)."""
+    forkserver.take_over(caller)
     die_with_parent()
     if os.getppid() != server:  # the server (and the driver) went before the line above
         os._exit(1)
@@ -151,9 +152,9 @@ def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], report
     forkserver.start(preload)
     moment("driver:launch")
     forkserver.context(preload)
-    server, environ = forkserver.server_pid(), forkserver.environ_now()
+    server, caller = forkserver.server_pid(), forkserver.caller_now()
     children = [Child(name, context.Process(
-        target=child_entry, args=(name, target, args, reports, environ, server)))
+        target=child_entry, args=(name, target, args, reports, caller, server)))
         for name, target, args in runs]
     with main_module_spawn_can_run(), forkserver.no_silent_restart():
         for child in children:

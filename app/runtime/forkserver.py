@@ -12,9 +12,11 @@ each handled here or where the child starts (app/parallel/launcher.py `child_ent
   silently skips a module it cannot import: it is started with the caller's sys.path on its
   PYTHONPATH, and a probe child checks that every module was imported (`check_preloaded`), so
   a failed preload is an error, not seconds of imports paid by every process;
-- its children inherit its environment, not the caller's current one: each child is handed
-  `os.environ` as it is when it is started (`environ_now`), and sys.path and the working
-  folder travel with every child anyway (multiprocessing's preparation data);
+- its children inherit its environment and its output, not the caller's current ones: each
+  child is handed `os.environ` as it is when it is started, and the caller's stdout and stderr
+  as they are then (`caller_now`: a notebook's second run, a caller that captures output);
+  sys.path and the working folder travel with every child anyway (multiprocessing's
+  preparation data);
 - its children are its own, not the driver's, and each holds the server's "alive" pipe, which
   keeps the server running while any child runs: the kernel ends it with the driver all the
   same (app/runtime/forkserver_init.py, its first import), and each child with it;
@@ -41,7 +43,8 @@ from typing import Any, Callable, Iterable, Iterator
 from app.runtime.errors import UserError, first_line
 from app.runtime.forkserver_init import PARENT
 from app.runtime.interrupts import STOP_SIGNALS
-from app.runtime.private_api import forkserver_pid as server_pid, forkserver_restart_refused
+from app.runtime.private_api import PassedFd, forkserver_restart_refused
+from app.runtime.private_api import forkserver_pid as server_pid
 from app.runtime.spawning import main_module_spawn_can_run
 
 PROBE_TIMEOUT_S = 600.0  # the server's own imports come first: seconds, minutes on a busy box
@@ -236,13 +239,34 @@ def report_missing(modules: list[str], writer) -> None:
     writer.close()
 
 
-def environ_now() -> dict[str, str]:
-    """The caller's environment as it is now, for a child to take over (`apply_environ`)."""
-    return dict(os.environ)
+@dataclass(frozen=True)
+class Caller:
+    """What a child takes over from the process that starts it, not from the server: the
+    environment, and where stdout and stderr go (each a descriptor passed to the child)."""
+    environ: dict[str, str]
+    outputs: tuple[tuple[int, PassedFd | int], ...]
 
 
-def apply_environ(environ: dict[str, str]) -> None:
-    """In a child of the server: the environment of the caller that started it, not the one
-    the server was started with (a restarted worker, a second app.train in a notebook)."""
+def caller_now() -> Caller:
+    """The caller's environment and output as they are now, for a child (`take_over`)."""
+    outputs = tuple((fd, PassedFd(fd)) for fd in (1, 2) if is_open(fd))
+    return Caller(dict(os.environ), outputs)
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # a daemon's closed stdout: the child keeps the server's
+        return False
+    return True
+
+
+def take_over(caller: Caller) -> None:
+    """In a child of the server: the environment and output of the caller that started it,
+    not those the server was started with (a restarted worker, a second app.train in a
+    notebook, a caller whose output went elsewhere since)."""
     os.environ.clear()
-    os.environ.update(environ)
+    os.environ.update(caller.environ)
+    for fd, received in caller.outputs:
+        os.dup2(received, fd)
+        os.close(received)

@@ -37,6 +37,24 @@ def forkserver_restart_refused(instead: Callable[[], None]) -> Iterator[None]:
         del server.ensure_running
 
 
+class PassedFd:
+    """An open file descriptor of the process that starts a child, opened in the child as it
+    starts (an int there). multiprocessing sends it along with the child's arguments, through
+    the forkserver's socket, as it does its own pipes and locks: `reduction.DupFd`, which its
+    documentation does not name; no public way hands a child of the server our descriptors."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction  # noqa: PLC0415
+        return (_opened_in_child, (reduction.DupFd(self.fd),))
+
+
+def _opened_in_child(passed: Any) -> int:
+    return passed.detach()
+
+
 def run_exit_handlers() -> None:
     """What sys.exit would run (atexit's handlers, last registered first), for a process that
     then ends with os._exit: atexit registers and unregisters, but runs them only at exit."""
