@@ -1,15 +1,19 @@
 """Shared fixtures: the tiny sample dataset (generated once per session into a temporary
-cache), mutable copies of it, catalogs pointing at them, and a real driver subprocess."""
+cache), mutable copies of it, catalogs pointing at them, and the driver (its main() here, its
+workers real processes; or a real driver process)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import inspect
+import logging
 import os
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +28,8 @@ import tomli_w  # noqa: E402
 import torch  # noqa: E402
 
 from app.catalog import sample
+from app.launch.run import main as run_main
+from app.runtime.cli import run_cli
 from app.runtime.liveness import is_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,9 +102,25 @@ def catalog_for(tmp_path):
 
 
 def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None,
-               open_files: int | None = None) -> subprocess.CompletedProcess:
-    """bin/driver.py in a real Python process, as a user would start it; `open_files` lowers
-    its soft limit of open file descriptors (`ulimit -n`), inherited by its children."""
+               open_files: int | None = None, separate: bool = False
+               ) -> subprocess.CompletedProcess:
+    """The driver as a user runs it, its workers and server real processes. Its main() runs in
+    this test process, whose forkserver (app/runtime/forkserver.py) imported torch and the
+    model library once for all the session's runs (seconds of imports each run would pay in a
+    process of its own); `separate=True`, or `open_files` (the soft limit of open file
+    descriptors, `ulimit -n`, inherited by its children), runs bin/driver.py in a real Python
+    process. A run here is bounded by the test's own timeout (pyproject's), not `timeout`."""
+    if separate or open_files:
+        return driver_process(args, cwd, timeout, env, open_files)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        with driver_surroundings(cwd, env, out, err):
+            code = run_cli(run_main, list(args))
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["bin/driver.py", *args], code, out.read(), err.read())
+
+
+def driver_process(args, cwd, timeout, env, open_files) -> subprocess.CompletedProcess:
     def limit_open_files() -> None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, hard))
@@ -106,6 +128,48 @@ def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = N
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})},
                           preexec_fn=limit_open_files if open_files else None)
+
+
+@contextlib.contextmanager
+def driver_surroundings(cwd: Path, env: dict | None, out, err):
+    """What a driver process of its own would have: its working folder, environment, argv,
+    stdout and stderr (the descriptors, which its children take over, and Python's streams),
+    and the log lines the driver's run_cli shows at INFO on stderr (pytest's own handlers
+    already on the root logger would make its logging.basicConfig do nothing)."""
+    saved_cwd, saved_environ, saved_argv = os.getcwd(), dict(os.environ), sys.argv
+    saved_streams = sys.stdout, sys.stderr
+    root, handler = logging.getLogger(), None
+    saved_level = root.level
+    for stream in saved_streams:
+        stream.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    try:
+        os.chdir(cwd)
+        os.environ.update(env or {})
+        sys.argv = [str(REPO / "bin" / "driver.py")]
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (closed below)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if stream not in saved_streams:
+                stream.close()  # flushes; the descriptors stay
+        root.removeHandler(handler)
+        root.setLevel(saved_level)
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in zip((1, 2), saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        os.chdir(saved_cwd)
 
 
 def worker_pids(stderr_text: str) -> dict[str, int]:
