@@ -13,8 +13,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
-
 Check = tuple[Callable[[Any], bool], str]  # (is the value allowed?, "must be ...")
 
 

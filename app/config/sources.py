@@ -25,10 +25,6 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
-def _field_types(section_cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(section_cls)
-
-
 # --- coercion: TOML values and flag strings into the declared types -----------------------
 
 def _coerce(value: Any, kind: Any, where: str, choices: tuple | None) -> Any:
@@ -87,7 +83,7 @@ def file_overrides(path: str) -> dict[tuple[str, str], Any]:
             raise UserError(f"{path}: unknown section [{section}]; known: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise UserError(f"{path}: `{section}` must be a table ([{section}])")
-        known = _field_types(sections[section])
+        known = typing.get_type_hints(sections[section])
         for key, value in values.items():
             if key not in known:
                 renamed = RENAMED.get(f"{section}.{key}")
@@ -100,17 +96,17 @@ def file_overrides(path: str) -> dict[tuple[str, str], Any]:
 
 # --- command line -----------------------------------------------------------------------
 
-def build_parser(prog: str = "driver.py", description: str = "") -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """Flags for every declared parameter; defaults are SUPPRESSed so only given flags count."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     argument_default=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="driver.py", argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="FILE", help="run config (TOML) with sections "
                         + ", ".join(f"[{s}]" for s in SECTIONS))
     for section, section_cls in _section_types().items():
         group = parser.add_argument_group(f"[{section}]")
+        kinds = typing.get_type_hints(section_cls)
         for f in dataclasses.fields(section_cls):
             flags = _flags(section, f)
-            kind = _field_types(section_cls)[f.name]
+            kind = kinds[f.name]
             dest = f"{section}.{f.name}"
             help_text = f"{f.metadata['help']} (default: {_default_text(f)})"
             if kind is bool:
@@ -136,18 +132,12 @@ def _default_text(f: dataclasses.Field) -> str:
     return repr(value) if value == "" else str(value)
 
 
-def parse_config(argv: list[str] | None = None, *, extra: argparse.ArgumentParser | None = None
-                 ) -> tuple[Config, argparse.Namespace]:
-    """Defaults, then --config FILE, then flags. Returns the config and the raw namespace
-    (entry points may add their own non-config flags through `extra`)."""
-    parser = extra or build_parser()
-    namespace = parser.parse_args(argv)
-    overrides = {}
-    source = {}
-    if getattr(namespace, "config", None):
-        for key, value in file_overrides(namespace.config).items():
-            overrides[key] = value
-            source[key] = namespace.config
+def parse_config(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """Defaults, then --config FILE, then flags. Returns the config and the raw namespace."""
+    namespace = build_parser().parse_args(argv)
+    file = getattr(namespace, "config", None)
+    overrides = file_overrides(file) if file else {}
+    source = dict.fromkeys(overrides, file)
     for dest, value in vars(namespace).items():
         if "." in dest:
             section, key = dest.split(".", 1)
@@ -168,7 +158,7 @@ def make_config(overrides: dict[tuple[str, str], Any] | None = None,
     for section, section_cls in sections.items():
         values = {}
         declared = {f.name: f for f in dataclasses.fields(section_cls)}
-        kinds = _field_types(section_cls)
+        kinds = typing.get_type_hints(section_cls)
         for (sec, key), value in overrides.items():
             if sec != section:
                 continue
