@@ -9,6 +9,7 @@ over a thousand descriptors at once, past the 1,024 most shells allow (`ulimit -
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,7 @@ class PackedTensors:
         """Views into the buffer, by name (copy them to keep them beyond the buffer's life)."""
         views = {}
         for entry in self.entries:
-            count = 1
-            for dim in entry.shape:
-                count *= dim
-            size = count * torch.empty((), dtype=entry.dtype).element_size()
+            size = math.prod(entry.shape) * entry.dtype.itemsize
             raw = self.buffer[entry.offset:entry.offset + size]
             views[entry.name] = raw.view(entry.dtype).view(entry.shape)
         return views

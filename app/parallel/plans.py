@@ -9,13 +9,11 @@ parameter server). Adding a mode is one entry in SYNC_MODES.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from app.config import ParallelConfig
 from app.parallel.messages import ServerLinks
-from app.parallel.watch import Watch
+from app.parallel.watch import Abort, Watch
 from app.runtime.devices import LaunchEnv, WorkerEnv
 from app.runtime.errors import UserError
 from app.runtime.forkserver import ByName
@@ -46,11 +44,13 @@ class PsPlan:
     links: ServerLinks
     config: ParallelConfig  # bucket size, checksum interval, timeout
     requests: SharedRequests | None = None
+    abort: Abort | None = None  # replicas that are threads (threads.py): how they are stopped
 
     def connect(self, env: WorkerEnv) -> GradientSync:
         from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
-        return ParameterServerSync(self.links, env, Watch(timeout_s=self.config.sync_timeout),
-                                   self.config.bucket_mb, self.config.check_every)
+        watch = Watch(timeout_s=self.config.sync_timeout, abort=self.abort)
+        return ParameterServerSync(self.links, env, watch, self.config.bucket_mb,
+                                   self.config.check_every)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ import torch.nn as nn
 from app.parallel.sync import StepImages, checked_parameters, float_buffers, weights_checksum
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
-from app.parallel.messages import post
+from app.parallel.messages import ServerLinks, post
 from app.parallel.packed import PackedTensors
-from app.parallel.messages import ServerLinks
 from app.parallel.watch import SyncFailure, Watch
 from app.runtime.devices import WorkerEnv
 

@@ -22,31 +22,14 @@ from typing import Any, Callable
 import torch
 
 from app.config import ParallelConfig
-from app.parallel.sync import GradientSync, LocalSync
 from app.parallel.launcher import Stopping, StopSignals
 from app.parallel.messages import ServerLinks
+from app.parallel.plans import LocalPlan, PsPlan
 from app.parallel.ps_server import run_server
-from app.parallel.watch import Abort, SyncFailure, Watch
+from app.parallel.watch import Abort, SyncFailure
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Interval, SharedRequests
-
-
-@dataclass(frozen=True)
-class ThreadsPlan:
-    """What each replica thread connects through: the server thread's queues."""
-    links: ServerLinks | None  # None: a single replica, nothing to agree on
-    config: ParallelConfig
-    requests: SharedRequests
-    abort: Abort
-
-    def connect(self, env: WorkerEnv) -> GradientSync:
-        if self.links is None:
-            return LocalSync()
-        from app.parallel.ps_worker import ParameterServerSync  # noqa: PLC0415
-        watch = Watch(timeout_s=self.config.sync_timeout, abort=self.abort)
-        return ParameterServerSync(self.links, env, watch, self.config.bucket_mb,
-                                   self.config.check_every)
 
 
 def in_process_requests(replicas: int) -> SharedRequests:
@@ -112,22 +95,18 @@ def start_group(target: Callable, job: Any, devices: list[str], config: Parallel
     """`target(job, env, plan, cpu_replicas)` in a thread per device, and, for more than one,
     the server thread."""
     group = ThreadGroup()
-    links = None
+    plan: LocalPlan | PsPlan = LocalPlan(requests)  # a single replica: nothing to agree on
     if len(devices) > 1:
         links = ServerLinks(queue.Queue(), [queue.Queue() for _ in devices])
         group.add("parameter server (thread)", run_server,
                   (links, config.sync_timeout, None, abort))
-    plan = ThreadsPlan(links, config, requests, abort)
+        plan = PsPlan(links, config, requests, abort)  # the server thread's queues
     cpu_replicas = devices.count("cpu")
     for rank, device in enumerate(devices):
         env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
-        group.add(replica_name(rank, device), target, (job, env, plan, cpu_replicas))
+        group.add(f"replica {rank} ({device})", target, (job, env, plan, cpu_replicas))
     group.start()
     return group
-
-
-def replica_name(rank: int, device: str) -> str:
-    return f"replica {rank} ({device})"
 
 
 TICK_S = 0.1  # how often the caller's thread looks at the group, its signals and its on_tick
