@@ -59,11 +59,11 @@ def main(argv: list[str]) -> int:
     parallel = config.parallel
     devices = worker_devices(parallel.gpus, parallel.devices, config.train.device)
     mode = choose_sync(parallel.sync, devices, launch)
-    job = resumed_job(job, launch.world_size if launch else len(devices),  # the same samples
-                      report=print_nothing if launch and launch.rank else log.info)
-    if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
-        check_pretrained(job, primary=not (launch and launch.rank))
     primary = not (launch and launch.rank)
+    job = resumed_job(job, launch.world_size if launch else len(devices),  # the same samples
+                      report=log.info if primary else print_nothing)
+    if config.model.pretrained and not job.resume_from:  # a resumed run has its weights
+        check_pretrained(job, primary)
     if job.output_store and primary:  # before any worker starts: the bucket takes writes
         remote_output.check_bucket(job.output_store, resuming=bool(config.run.resume),
                                    config_toml=dump_toml(job.config))
@@ -116,18 +116,15 @@ def check_launched(config: Config, launch: LaunchEnv) -> None:
     if not config.run.name:
         raise UserError(f"under {launch.launcher} pass --run-name: every process must agree on "
                         "the run folder")
-    if config.run.max_restarts and launch.launcher == "srun":
-        raise UserError("under srun, Slurm starts the job again: submit it with sbatch "
-                        "--requeue and give the driver --resume auto instead of "
-                        "run.max_restarts")
-    if config.run.max_restarts and launch.launcher == "mpirun":
-        raise UserError("mpirun does not start a rank again: run the job again (sbatch "
-                        "--requeue under Slurm) and give the driver --resume auto instead of "
-                        "run.max_restarts")
     if config.run.max_restarts:
-        raise UserError("under torchrun, torchrun restarts the processes: give it "
-                        "--max-restarts (before bin/driver.py) and give the driver --resume "
-                        "auto instead of run.max_restarts")
+        restarts = {"srun": "under srun, Slurm starts the job again: submit it with sbatch "
+                            "--requeue",
+                    "mpirun": "mpirun does not start a rank again: run the job again (sbatch "
+                              "--requeue under Slurm)",
+                    "torchrun": "under torchrun, torchrun restarts the processes: give it "
+                                "--max-restarts (before bin/driver.py)"}
+        raise UserError(f"{restarts[launch.launcher]} and give the driver --resume auto "
+                        "instead of run.max_restarts")
     host = urlsplit(launch.init_method).hostname
     if launch.launcher != "torchrun" and launch.rank == 0 and not slurm.is_this_machine(host):
         # the others would wait for rank 0 at `host` until --sync-timeout

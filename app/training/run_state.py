@@ -78,8 +78,9 @@ def load(job: TrainJob, env: WorkerEnv) -> dict:
 
 
 def mean_buffers(saved: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {name: torch.stack([buffers[name] for buffers in saved]).mean(0).to(values.dtype)
-            for name, values in saved[0].items()}
+    """The replicas' buffers averaged in float64, as the parameter server averages them."""
+    return {name: torch.stack([buffers[name].double() for buffers in saved]).mean(0).to(
+        values.dtype) for name, values in saved[0].items()}
 
 
 def continue_in(state: dict, saved: Saved, layout: BatchLayout) -> None:
@@ -150,9 +151,7 @@ def trained_weights(path: str | Path) -> dict[str, torch.Tensor]:
     state = checkpoint.load(path)
     weights = dict(state["model"])
     replicas = [_from_bytes(data)["buffers"] for data in state.get("replicas") or []]
-    for name in weights:
-        values = [buffers[name] for buffers in replicas if name in buffers]
-        if values:
-            weights[name] = torch.stack([v.double() for v in values]).mean(0).to(
-                weights[name].dtype)
+    if replicas:  # the EMA's buffers ("ema.<name>") are no weights of the model
+        weights |= {name: values for name, values in mean_buffers(replicas).items()
+                    if name in weights}
     return weights

@@ -204,7 +204,7 @@ class Trainer:
         self.model.train()
         epoch, print_freq = self.position.epoch, self.job.config.train.print_freq
         steps = self.accumulation.steps_per_epoch
-        size = self.image_size(epoch)
+        size = self.job.resolution.train.at(epoch)
         self.pace.start_epoch()
         for batch, micro, last in self.pace.batches(self.accumulation.epoch(
                 self.train_data, epoch, self.position.epoch_step)):
@@ -264,9 +264,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def image_size(self, epoch: int) -> int:
-        return self.job.resolution.train.at(epoch)
-
     def log_interval(self, lr: float, interval: Interval) -> None:
         """The print interval's mean loss: the one device->host copy of the interval."""
         images = self.interval.images
@@ -303,7 +300,7 @@ class Trainer:
                    "train/images": int(images), "train/skipped": int(skipped),
                    "train/epoch_lr": getattr(self, "lr", 0.0),  # its last step's
                    "train/epoch_images_per_sec": images / trained_s,
-                   "train/image_size": self.image_size(self.position.epoch - 1), **val}
+                   "train/image_size": self.job.resolution.train.at(self.position.epoch - 1), **val}
         path = self.save(top1=self.best_of(metrics))
         metrics |= {"epoch/time_s": self.pace.end_epoch(whole), "epoch/data_wait": data_wait}
         left = self.pace.remaining_s(self.job.config.train.epochs - self.position.epoch)
