@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import queue
 import sys
 import time
@@ -156,7 +157,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     api_inputs.refuse_replaced_knobs(setup.knobs, replaced)
     config = api_inputs.with_defaults(setup.config, [arg for arg in ("loss", "schedule")
                                                      if arg in replaced])
-    config = with_schedule_name(config, schedule)
+    if isinstance(schedule, str):  # one of the config's schedules, by name
+        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim,
+                                                                       schedule=schedule))
     parts = UserParts(setup.model, setup.optimizer, schedule, loss)
     if not in_threads(setup):
         api_inputs.check_picklable({"model": parts.model_template, "loss": parts.loss,
@@ -168,7 +171,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
         log.warning("%s", ignored)
     write_run_folder(job)
     preflight.check(job, saves=True)
-    relay_queue = relay_for(setup)
+    # where the primary replica's log records wait for the caller's thread
+    relay_queue = queue.Queue() if in_threads(setup) else \
+        multiprocessing.get_context("forkserver").Queue()
     loggers = start_loggers(logger if logger is not None else current_logger(), job.run_info(),
                             always=run_outputs(job.run_info()))
     try:
@@ -212,14 +217,6 @@ def in_threads(setup: TrainingSetup) -> bool:
     return setup.parallel == "threads" or len(setup.devices) == 1
 
 
-def relay_for(setup: TrainingSetup) -> Any:
-    """Where the primary replica's log records wait for the caller's thread."""
-    if in_threads(setup):
-        return queue.Queue()
-    import multiprocessing  # noqa: PLC0415 (the context the replicas start from)
-    return multiprocessing.get_context("forkserver").Queue()
-
-
 def val_split(setup: TrainingSetup, val: Split | None) -> Split:
     train_set = setup.train_set
     if val is None:
@@ -246,13 +243,6 @@ def resume_point(setup: TrainingSetup, resume: bool | str) -> str:
         raise UserError(f"{setup.run_dir} holds a run already: pass resume=True to continue "
                         "it, or call prepare_training again for a new run")
     return str(last) if last.is_file() else ""
-
-
-def with_schedule_name(config: Config, schedule: Any) -> Config:
-    if not isinstance(schedule, str):
-        return config
-    return dataclasses.replace(config, optim=dataclasses.replace(config.optim,
-                                                                 schedule=schedule))
 
 
 def train_job(setup: TrainingSetup, config: Config, val: Split, resume_from: str) -> TrainJob:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +26,9 @@ class Precision:
         # channels_last pays on CUDA tensor cores; on CPU it only adds copies.
         return cls(device, AMP_DTYPES[amp], channels_last and on_cuda, getattr(torch, dtype))
 
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 needs loss scaling; bf16 has fp32's range and does not."""
