@@ -20,7 +20,7 @@ import pandas as pd
 import app.catalog.imagefolder as imagefolder
 import app.catalog.shards as shards
 import app.catalog.tables as tables
-from app.catalog.labels import SYNSET_MAPPING, ClassIndex, select_classes
+from app.catalog.labels import SYNSET_MAPPING, ClassIndex
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError
 
@@ -95,9 +95,8 @@ class Dataset:
         every = self.all_classes
         source = self.root.describe(SYNSET_MAPPING if self.root.layout == "kaggle" else
                                     imagefolder.TRAIN_FOLDER)
-        wnids = select_classes(every.wnids, as_selection(classes, every.wnids, source), source)
-        words = dict(zip(every.wnids, every.descriptions))
-        return ClassIndex(every.known, wnids, [words[w] for w in wnids], every.order)
+        return ClassIndex.select(every.wnids, every.descriptions,
+                                 as_selection(classes, every.wnids, source), source, every.order)
 
     @functools.cached_property
     def all_classes(self) -> ClassIndex:

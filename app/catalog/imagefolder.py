@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from app.catalog.labels import (SAFE_ID, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex, Tables,
-                                finish, parse_synset_mapping, select_classes)
+from app.catalog.labels import (SAFE_ID, SYNSET_MAPPING, Classes, ClassIndex, Tables,
+                                check_listed, finish, read_synset_mapping)
 from app.catalog.storage import DatasetRoot
 from app.runtime.errors import UserError
 
@@ -52,15 +52,14 @@ def class_index(root: DatasetRoot, train_images: pd.DataFrame, folders: list[str
                         "images; remove the folder or put its images back")
     descriptions = dict.fromkeys(wnids, "")
     if root.exists(SYNSET_MAPPING):
-        mapping = parse_synset_mapping(_text(root, SYNSET_MAPPING),
-                                       root.describe(SYNSET_MAPPING))
+        mapping = read_synset_mapping(root)
         unknown = sorted(set(wnids) - set(mapping.wnid))
         if unknown:
             raise UserError(f"{root.describe(f'{TRAIN_FOLDER}/{unknown[0]}')}: class folder is "
                             f"not in {SYNSET_MAPPING}; rename the folder or fix the mapping")
         descriptions.update(zip(mapping.wnid, mapping.description))
-    selected = select_classes(wnids, classes, f"{root.describe(TRAIN_FOLDER)} (class folders)")
-    return ClassIndex(frozenset(wnids), selected, [descriptions[w] for w in selected])
+    return ClassIndex.select(wnids, [descriptions[w] for w in wnids], classes,
+                             f"{root.describe(TRAIN_FOLDER)} (class folders)")
 
 
 def _images(root: DatasetRoot, split: str, notes: list[str]) -> tuple[pd.DataFrame, list[str]]:
@@ -72,12 +71,7 @@ def _images(root: DatasetRoot, split: str, notes: list[str]) -> tuple[pd.DataFra
         raise UserError(f"dataset '{root.name}': folder {root.describe(split)} not found; is "
                         "this an ImageFolder-layout dataset (train/<wnid>/, val/<wnid>/)?")
     files, folders = root.find_with_folders(split)
-    listed = pd.Series(folders + files, dtype=str)
-    unsafe = listed[~listed.str.fullmatch(SAFE_PATH)]
-    if len(unsafe):
-        raise UserError(f"{root.describe(split)}: listed name {unsafe.iloc[0][:80]!r} is not a "
-                        "plain path inside the dataset root ('.', '..', empty parts or control "
-                        "characters); rename or remove it")
+    check_listed(pd.Series(folders + files, dtype=str), root.describe(split))
     parts = pd.Series(files, dtype=str).str.split("/")
     hidden = parts.map(lambda p: any(part.startswith(".") for part in p[1:]))
     image = (parts.str.len() >= 3) & ~hidden & parts.str[-1].str.lower().str.endswith(
@@ -107,10 +101,3 @@ def _labelled(root: DatasetRoot, split: str, images: pd.DataFrame, index: ClassI
     frame = images[images.wnid.isin(labels)].copy()
     frame["label"] = frame.wnid.map(labels).astype("int64")
     return finish(frame, root.describe(split), "the class folders")
-
-
-def _text(root: DatasetRoot, name: str) -> str:
-    try:
-        return root.read_text(name)
-    except UnicodeDecodeError:
-        raise UserError(f"{root.describe(name)}: not UTF-8 text") from None

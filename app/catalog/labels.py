@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from app.catalog.storage import DatasetRoot
 from app.runtime.errors import UserError
 
 SYNSET_MAPPING = "LOC_synset_mapping.txt"  # "<wnid> <description>" lines, in label order
@@ -21,7 +22,7 @@ SAFE_ID = re.compile(rf"^{SAFE_NAME}$")
 # A listed path that stays inside the root: components without separators or control
 # characters, never '.' or '..' (pandas' str.fullmatch takes it as it is).
 _COMPONENT = r"(?!\.\.?(?:/|$))[^/\\\x00-\x1f\x7f]+"
-SAFE_PATH = rf"{_COMPONENT}(?:/{_COMPONENT})*"
+_SAFE_PATH = rf"{_COMPONENT}(?:/{_COMPONENT})*"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,14 @@ class ClassIndex:
     wnids: list[str]
     descriptions: list[str]
     order: tuple[str, ...] = ()  # every class in the order of the data's own class indices
+
+    @classmethod
+    def select(cls, known: list[str], words: list[str], classes: int | list[str], source: str,
+               order: tuple[str, ...] = ()) -> "ClassIndex":
+        """The classes `classes` selects (select_classes) among `known`, named by `words`."""
+        wnids = select_classes(known, classes, source)
+        descriptions = dict(zip(known, words))
+        return cls(frozenset(known), wnids, [descriptions[w] for w in wnids], order)
 
 
 Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index built already
@@ -86,6 +95,26 @@ def parse_synset_mapping(text: str, where: str) -> pd.DataFrame:
     if mapping.empty:
         raise UserError(f"{where}: no classes listed")
     return mapping
+
+
+def read_text(root: DatasetRoot, name: str) -> str:
+    try:
+        return root.read_text(name)
+    except UnicodeDecodeError:
+        raise UserError(f"{root.describe(name)}: not UTF-8 text") from None
+
+
+def read_synset_mapping(root: DatasetRoot) -> pd.DataFrame:
+    return parse_synset_mapping(read_text(root, SYNSET_MAPPING), root.describe(SYNSET_MAPPING))
+
+
+def check_listed(names: pd.Series, where: str) -> None:
+    """Listed names (of files or folders) must stay inside the dataset root."""
+    unsafe = names[~names.str.fullmatch(_SAFE_PATH)]
+    if len(unsafe):
+        raise UserError(f"{where}: listed name {unsafe.iloc[0][:80]!r} is not a plain path "
+                        "inside the dataset root ('.', '..', empty parts or control "
+                        "characters); rename or remove it")
 
 
 def finish(frame: pd.DataFrame, where: str, check: str = "the table") -> pd.DataFrame:

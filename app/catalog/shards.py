@@ -28,8 +28,7 @@ import numpy as np
 import pandas as pd
 
 import app.catalog.imagenet_classes as imagenet_classes
-from app.catalog.labels import (SYNSET_MAPPING, Classes, ClassIndex, Tables, parse_synset_mapping,
-                                select_classes)
+from app.catalog.labels import SYNSET_MAPPING, Classes, ClassIndex, Tables, read_synset_mapping
 from app.catalog.shard_index import ShardError, missing_shard, parquet_labels
 from app.catalog.shard_store import ShardStore
 from app.catalog.storage import DatasetRoot
@@ -59,17 +58,13 @@ def class_index(root: DatasetRoot, classes: Classes = 0) -> ClassIndex:
     if isinstance(classes, ClassIndex):
         return classes
     if root.exists(SYNSET_MAPPING):
-        mapping = parse_synset_mapping(root.read_text(SYNSET_MAPPING),
-                                       root.describe(SYNSET_MAPPING))
+        mapping = read_synset_mapping(root)
         known, words, source = list(mapping.wnid), list(mapping.description), \
             root.describe(SYNSET_MAPPING)
     else:
         known, words = imagenet_classes.wnids_and_words()
         source = "ImageNet-1k's classes"
-    wnids = select_classes(known, classes, source)
-    descriptions = dict(zip(known, words))
-    return ClassIndex(frozenset(known), wnids, [descriptions[w] for w in wnids],
-                      tuple(known))
+    return ClassIndex.select(known, words, classes, source, tuple(known))
 
 
 def shard_names(root: DatasetRoot, split: str, info_split: dict | None) -> list[str]:

@@ -15,8 +15,8 @@ import pandas as pd
 
 import app.catalog.imagefolder as imagefolder
 import app.catalog.shards as shards
-from app.catalog.labels import (SAFE_ID, SAFE_NAME, SAFE_PATH, SYNSET_MAPPING, Classes, ClassIndex,
-                                Tables, finish, parse_synset_mapping, select_classes)
+from app.catalog.labels import (SAFE_ID, SAFE_NAME, SYNSET_MAPPING, Classes, ClassIndex, Tables,
+                                check_listed, finish, parse_synset_mapping, read_text)
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError
 
@@ -60,9 +60,8 @@ def class_index(root: DatasetRoot, classes: Classes = 0) -> ClassIndex:
     if isinstance(classes, ClassIndex):
         return classes
     mapping = synset_mapping(root)
-    wnids = select_classes(list(mapping.wnid), classes, root.describe(SYNSET_MAPPING))
-    descriptions = dict(zip(mapping.wnid, mapping.description))
-    return ClassIndex(frozenset(mapping.wnid), wnids, [descriptions[w] for w in wnids])
+    return ClassIndex.select(list(mapping.wnid), list(mapping.description), classes,
+                             root.describe(SYNSET_MAPPING))
 
 
 def synset_mapping(root: DatasetRoot) -> pd.DataFrame:
@@ -82,14 +81,14 @@ def train_solutions(root: DatasetRoot, table: str = TRAIN_SOLUTION, classes: Cla
                         "is not '<wnid>_<number>' (its folder would be empty or leave train/); "
                         "fix or remove the row")
     frame["path"] = TRAIN_DIR + "/" + folders + "/" + frame.ImageId + IMAGE_SUFFIX
-    return _finish(frame, root, table)
+    return finish(frame, root.describe(table))
 
 
 def val_solutions(root: DatasetRoot, table: str = VAL_SOLUTION, classes: Classes = 0
                   ) -> pd.DataFrame:
     frame = _solutions(root, table, class_index(root, classes))
     frame["path"] = VAL_DIR + "/" + frame.ImageId + IMAGE_SUFFIX
-    return _finish(frame, root, table)
+    return finish(frame, root.describe(table))
 
 
 def train_cls_list(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
@@ -108,8 +107,8 @@ def train_cls_list(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
     wnid = entries.str.split("/").str[0]
     frame = pd.DataFrame({"wnid": wnid, "path": TRAIN_DIR + "/" + entries + IMAGE_SUFFIX,
                           "line": lines})
-    return _finish(_label_rows(frame, root, TRAIN_CLS, class_index(root, classes)), root,
-                   TRAIN_CLS)
+    return finish(_label_rows(frame, root, TRAIN_CLS, class_index(root, classes)),
+                  root.describe(TRAIN_CLS))
 
 
 def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
@@ -119,15 +118,11 @@ def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
         raise UserError(f"dataset '{root.name}': folder {root.describe(TRAIN_DIR)} not found")
     paths = pd.Series(sorted(p for p in root.find(TRAIN_DIR)
                              if not p.rsplit("/", 1)[-1].startswith(".")), dtype=str)
-    unsafe = paths[~paths.str.fullmatch(SAFE_PATH)]
-    if len(unsafe):
-        raise UserError(f"{root.describe(TRAIN_DIR)}: listed name {unsafe.iloc[0][:80]!r} is "
-                        "not a plain path inside the dataset root ('.', '..', empty parts or "
-                        "control characters); rename or remove it")
+    check_listed(paths, root.describe(TRAIN_DIR))
     parts = paths.str.split("/")
     frame = pd.DataFrame({"wnid": parts.str[-2], "path": paths, "line": 0})
-    return _finish(_label_rows(frame, root, TRAIN_DIR, class_index(root, classes)), root,
-                   TRAIN_DIR)
+    return finish(_label_rows(frame, root, TRAIN_DIR, class_index(root, classes)),
+                  root.describe(TRAIN_DIR))
 
 
 def _solutions(root: DatasetRoot, table: str, index: ClassIndex) -> pd.DataFrame:
@@ -167,15 +162,8 @@ def _label_rows(frame: pd.DataFrame, root: DatasetRoot, table: str, index: Class
     return frame
 
 
-def _finish(frame: pd.DataFrame, root: DatasetRoot, table: str) -> pd.DataFrame:
-    return finish(frame, root.describe(table))
-
-
 def _read_table(root: DatasetRoot, table: str, hint: str = "") -> str:
     if not root.exists(table):
         raise UserError(f"dataset '{root.name}': table {table} not found at "
                         f"{root.describe(table)}; is this a Kaggle-layout ImageNet? {hint}")
-    try:
-        return root.read_text(table)
-    except UnicodeDecodeError:
-        raise UserError(f"{root.describe(table)}: not UTF-8 text") from None
+    return read_text(root, table)
