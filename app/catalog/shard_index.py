@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from app.runtime.errors import UserError, first_line
+from app.runtime.files import atomic_path
 
 # A WebDataset sample's image: the first member with one of these extensions (webdataset's own
 # decoders' image extensions).
@@ -57,9 +58,8 @@ class ShardIndex:
 
     def save(self, path: Path) -> None:
         """Atomically (readers in other processes see the whole index or none)."""
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
-        np.savez(temporary, offsets=self.offsets, sizes=self.sizes, labels=self.labels)
-        os.replace(temporary, path)
+        with atomic_path(path) as temporary, open(temporary, "wb") as file:
+            np.savez(file, offsets=self.offsets, sizes=self.sizes, labels=self.labels)
 
     @classmethod
     def load(cls, path: Path) -> "ShardIndex":

@@ -1,26 +1,21 @@
-"""Per-batch augmentations on the training device: random erasing, then mixup or cutmix.
+"""Per-batch augmentations on the training device: random erasing, then mixup or cutmix, one
+implementation whatever decoder made the DeviceBatch.
 
-Both input pipelines hand the Trainer a DeviceBatch of normalised images; these run on it before
-the forward, so Pillow and DALI share one implementation. Every random number (which images are
-erased and where, mixup or cutmix, lambda, the cutmix box) is drawn on the host from generators
-seeded by the seed, the epoch and the micro-batch's place in the epoch's global order: worker
-r's batch j of the epoch is the (j x world_size + r)-th run of `batch size` images of that order
-(app/data/sampler.py). The device never has to tell the host anything (no sync per step), a
-resumed run draws the same numbers, and so does a run that holds the same micro-batches in
-another way: 2 workers x 8 images and 1 worker x 8 x 2 accumulated mix and erase alike. A run
-with another per-worker batch mixes other groups of images (mixup pairs images within a
-worker's batch, as torchvision's and timm's do); seeding erasing per image would spare it that
-but cost a generator per image (~15 us each; docs/benchmarks.md), and mixing would still differ.
+Every random number (which images are erased and where, mixup or cutmix, lambda, the cutmix
+box) is drawn on the host from generators seeded by the seed, the epoch and the micro-batch's
+place in the epoch's global order (worker r's batch j is the (j x world_size + r)-th run of
+`batch size` images of it: app/data/sampler.py). The device never tells the host anything (no
+sync per step), a resumed run draws the same numbers, and so does a run that holds the same
+micro-batches another way (2 workers x 8 images, or 1 worker x 8 x 2 accumulated). Another
+per-worker batch size mixes other groups (mixup pairs images within a worker's batch, as
+torchvision's and timm's do); seeding erasing per image would spare that but cost a generator
+per image (~15 us each; docs/benchmarks.md).
 
-Semantics are torchvision's (references/classification, transforms.v2):
-- RandomErasing, the last transform of the train preset, so after Normalize: per image with
-  probability p, a box of (0.02, 0.33) of the area with a log-uniform aspect ratio in (0.3, 3.3),
-  up to ten tries, filled with 0 (the mean, on normalised pixels).
-- MixUp / CutMix: when both alphas are set, one of them per batch with equal probability;
-  lambda ~ Beta(alpha, alpha); each image is paired with the batch rolled by one; cutmix's
-  lambda is corrected to the pasted box's true area; targets become the same mix of one-hot rows
-  (label smoothing, applied by the loss to probability targets, then smooths the mix, which is
-  the mix of smoothed rows: the map is linear).
+Semantics are torchvision's (references/classification, transforms.v2): RandomErasing is the
+train preset's last transform, so after Normalize (fill 0 is the mean); with both alphas set,
+MixUp or CutMix per batch with equal probability; targets become the same mix of one-hot rows
+(label smoothing of the mix, applied by the loss, is the mix of smoothed rows: the map is
+linear).
 """
 
 from __future__ import annotations

@@ -3,35 +3,23 @@ gpu-check and the tests can state it anywhere), and the image size it preallocat
 
 DALI's mixed decoder preallocates, when the pipeline is built, one device buffer of
 `device_memory_padding` bytes per thread and two pinned host buffers of `host_memory_padding`
-bytes per thread (double buffering; the documentation of `decoders.image_slice`). One pipeline
-therefore reserves
+bytes per thread (double buffering; `decoders.image_slice`'s documentation); a worker holds two
+pipelines, train and val, for the whole run. A buffer too small for an image is no error:
+nvJPEG grows it to fit, and it keeps that size (docs/training.md gives the sums).
 
-    GPU:          threads x device padding
-    pinned host:  2 x threads x host padding
+- Train keeps NVIDIA's ImageNet values, sized for ImageNet's largest image: the training loop
+  never reallocates, and its whole reservation is made before the first step.
+- Val takes DALI's own defaults: its pass runs once per epoch over ~4% as many images, so a
+  reallocation there costs a few allocations per epoch, not a stall per step.
+- Threads: no more than the batch's images (DALI gives each thread one image of a batch: a
+  thread beyond the batch size never decodes, yet would hold its buffers).
 
-and a training worker holds two pipelines, train and val, for the whole run. A buffer too small
-for an image is not an error: nvJPEG reallocates it to fit, and it keeps that size.
-
-- Train keeps NVIDIA's ImageNet values (DeepLearningExamples' and DALI's own ResNet-50 examples),
-  sized for ImageNet's largest image: the training loop never reallocates, and its whole
-  reservation is made at build, before the first step.
-- Val takes DALI's own defaults. Its pass runs once per epoch over ~4% as many images as train
-  (50,000 against 1.28 million), so a reallocation there costs a few allocations per epoch,
-  not a stall per step. At 8 threads it reserves 128 MiB on the GPU and 128 MiB pinned instead
-  of 1.57 GiB and 2.09 GiB. Its buffers can only grow towards the size of the largest val image
-  seen, so what it can grow to is bounded by train's formula for its threads.
-- Threads: no more than the batch's images. DALI hands a batch's images to its threads, one
-  image per task, so a thread beyond the batch size never decodes, yet would hold its buffers.
-
-The preallocation hint (`preallocate_width_hint` x `preallocate_height_hint`, what the hardware
-decoder's buffers are sized for at build) was ImageNet's largest train image, 5980 x 6430, for
-both splits: ~3.2 GB of GPU memory per pipeline measured on an H100 (docs/benchmarks.md),
-whatever the paddings. It is now the largest width and height among the headers of a seeded
-sample of the split's images (`largest_image`): HINT_SAMPLE reads through the dataset's own
-reader, about a second on local disk, where every header of ImageNet's train set would take
-minutes locally and a GET per image on an object store. A hint is no limit: an image beyond it
-makes nvJPEG grow that buffer once, and it keeps that size. ImageNet's images are mostly under
-500 x 500, so a sample's largest is a fraction of the fixed value.
+The preallocation hint (the size the hardware decoder's buffers are built for) was ImageNet's
+largest train image, ~3.2 GB of GPU memory per pipeline on an H100 (docs/benchmarks.md). It is
+now the largest width and height among the headers of a seeded sample of the split's images
+(`largest_image`): about a second on local disk, where every header of ImageNet's train set
+would take minutes, and a GET per image on an object store. An image beyond it makes nvJPEG
+grow that buffer once.
 """
 
 from __future__ import annotations

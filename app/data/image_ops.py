@@ -1,22 +1,13 @@
-"""Auto-augment's ops, each as torchvision's functional op (v2, which takes a PIL image or a
-uint8 (3, H, W) tensor on any device), called the way torchvision's auto-augment classes call
-them: with the interpolation its training recipe passes (bilinear) and fill 0 outside the image.
-The Pillow path applies them to PIL images in its loader processes, the nvJPEG path to tensors
-on the training device (app/data/nvjpeg_pipeline.py).
+"""Auto-augment's ops, each as torchvision's functional op (v2: a PIL image, or a uint8
+(3, H, W) tensor on any device), called as torchvision's auto-augment classes call them
+(bilinear, fill 0). The Pillow path applies them to PIL images in its loader processes, the
+nvJPEG path to tensors on the training device (app/data/nvjpeg_pipeline.py).
 
-Where torchvision's tensor kernels compute something else than the PIL ones (Pillow's own
-code), the tensor side computes what Pillow does, so that both paths give the same pixels
-(tests/test_nvjpeg.py: identical on sample images, Rotate within 1 level on a few values):
-- shear and rotate sample as Pillow's affine transform does (pixel centres, neighbours clamped
-  to the image, 0 where the point itself falls outside, truncated); torchvision's tensor
-  kernel blends the fill into the edge pixels and rounds;
-- Color, Contrast: Pillow's integer luma and its float32 blend, truncated; torchvision's has
-  float weights;
-- AutoContrast: Pillow's lookup table (x * scale + offset in float64, truncated);
-- Sharpness: Pillow's smoothing filter in integers (a float convolution may run in TF32).
-On a GPU nothing here makes a tensor from host values (torchvision's tensor affine and
-sharpness copy a small matrix or kernel from the host, which waits for the device): Python
-scalars instead, so the ops never stall the training loop.
+Where torchvision's tensor kernels compute something other than Pillow's code (shear, rotate,
+Color, Contrast, AutoContrast, Sharpness: each op's docstring says how), the tensor side
+computes what Pillow does, so both paths give the same pixels (tests/test_nvjpeg.py). On a GPU
+nothing here makes a tensor from host values (a copy the host would wait for): Python scalars
+instead, so the ops never stall the training loop.
 """
 
 from __future__ import annotations
@@ -90,7 +81,8 @@ def pil_affine(image: torch.Tensor, matrix: tuple[float, ...]) -> torch.Tensor:
     """Pillow's bilinear affine transform on a uint8 (3, H, W) tensor: `matrix` (a, b, c, d, e,
     f) maps each output pixel's centre (x, y) to the input point (a x + b y + c, d x + e y + f);
     a point outside the image gives 0, one inside blends its neighbours (clamped to the image)
-    in float64 and truncates, as Pillow's C code does."""
+    in float64 and truncates, as Pillow's C code does (torchvision's tensor kernel blends the
+    fill into the edge pixels and rounds)."""
     _, height, width = image.shape
     a, b, c, d, e, f = matrix
     ys = torch.arange(height, dtype=torch.float64, device=image.device).add_(0.5).view(-1, 1)
@@ -175,7 +167,8 @@ def sharpness(image: Picture, offset: float) -> Picture:
 
 
 def autocontrast(image: Picture) -> Picture:
-    """Each channel stretched from its lowest to its highest value; a flat one left as is."""
+    """Each channel stretched from its lowest to its highest value by Pillow's lookup table
+    (x * scale + offset in float64, truncated); a flat one left as is."""
     if not isinstance(image, torch.Tensor):
         return tv().autocontrast(image)
     low = image.amin(dim=(1, 2), keepdim=True).double()

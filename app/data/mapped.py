@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.runtime.liveness import is_alive
+
 SMALL_BYTES = 64 * 1024  # a column this small travels in the pipe as it is
 _written: dict[int, tuple[np.ndarray, str]] = {}  # id(column) -> (the column, its file)
 
@@ -79,16 +81,6 @@ def remove_orphans() -> None:
     """Files of processes that are gone (killed before their exit handlers ran)."""
     for path in folder().glob("*.npy"):
         pid = path.name.split("-", 1)[0]
-        if pid.isdigit() and not process_exists(int(pid)):
+        if pid.isdigit() and not is_alive(int(pid)):
             with contextlib.suppress(OSError):
                 path.unlink()
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
