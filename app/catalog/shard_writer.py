@@ -151,18 +151,14 @@ def shard_names(layout: str, split: str, count: int) -> list[str]:
 
 
 def read_images(root: DatasetRoot, paths: pd.Series):
-    """(bytes, path) per image, READ_BATCH at a time through fsspec's batched cat (concurrent on
-    object stores); (None, path) for one that cannot be read."""
+    """(bytes, path) per image, READ_BATCH at a time (concurrent on object stores); (None, path)
+    for one that cannot be read."""
     paths = list(paths)
     for first in range(0, len(paths), READ_BATCH):
         batch = paths[first:first + READ_BATCH]
-        found = root.fs.cat([root.path(p) for p in batch], on_error="return")
-        if not isinstance(found, dict):
-            found = {root.path(batch[0]): found}
+        found = root.read_many(batch, READ_BATCH)
         for path in batch:
-            data = found.get(root.fs._strip_protocol(root.path(path)),  # noqa: SLF001
-                             found.get(root.path(path)))
-            yield (data if isinstance(data, bytes) else None), path
+            yield (found[path] if isinstance(found[path], bytes) else None), path
 
 
 def write_shard(root: DatasetRoot, frame: pd.DataFrame, keys: list[str], target: Path,

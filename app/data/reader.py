@@ -80,14 +80,7 @@ class FsspecReads:
         return results
 
     def fetch(self, paths: list[str]) -> dict[str, bytes | BaseException]:
-        """One round of reads, concurrent where the filesystem is asynchronous."""
-        fs = self.root.fs
-        full = {fs._strip_protocol(self.root.path(p)): p for p in paths}
-        options = {"batch_size": self.concurrency} if getattr(fs, "async_impl", False) else {}
         try:
-            out = fs.cat(list(full), on_error="return", **options)
+            return self.root.read_many(paths, self.concurrency)
         except request_errors() as error:  # the whole round failed: each blob says why
             return {p: error for p in paths}
-        if not isinstance(out, dict):  # a single path comes back as its bytes
-            out = {next(iter(full)): out}
-        return {path: out.get(key, FileNotFoundError(path)) for key, path in full.items()}
