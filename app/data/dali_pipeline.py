@@ -1,21 +1,17 @@
 """The DALI input pipeline: our recipe, NVIDIA's engine.
 
 Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's bytes
-through app/data/samples.py (files or shards) and hand DALI each image's crop box and flip from
+through app/data/samples.py and hand DALI each image's crop box, flip and auto-augment ops from
 the recipe's plan(), so data order and augmentation stay functions of (seed, epoch, image) and
-exact resume holds. DALI then decodes just that region (`decoders.image_slice`; on a GPU with
-the hardware JPEG decoder, "mixed"), resizes it with an antialiased linear filter (Pillow's
-filter) and normalises it straight to float in HWC, which torch views as channels_last NCHW (CHW
-where the model wants plain NCHW, as on a CPU). With auto-augment, the reader also hands over
-each image's op ids and magnitudes, and DALI conditionals run each sample's ops
-(app/data/dali_ops.py) between the flip and the normalisation, torchvision's order.
+exact resume holds. DALI decodes just that region (`decoders.image_slice`; "mixed" on a GPU),
+resizes it with an antialiased linear filter (Pillow's), runs each sample's ops
+(app/data/dali_ops.py) after the flip, torchvision's order, and normalises it straight to float.
 
-A bad image never ends a run (a damaged shard does, with its one-line error: the batch is redone
-through Pillow, which raises it): the reader replaces what it cannot read or decode-check with a
-placeholder and a reason, and this side drops those images and reports them like the Pillow
-path. Should DALI still fail a batch (a file whose header looked fine), that batch is redone
-through the Pillow path, where the bad file is found and skipped, and the pipeline is rebuilt
-from the next step. """
+A bad image never ends a run: the reader hands over a placeholder and a reason instead, and this
+side drops and reports it like the Pillow path. Should DALI still fail a batch (a file whose
+header looked fine), that batch is redone through the Pillow path, which skips the bad file (or
+raises a damaged shard's one-line error), and the pipeline is rebuilt from the next step.
+"""
 
 from __future__ import annotations
 
@@ -86,10 +82,8 @@ class DaliPipeline:
                 outputs = self.pipe.run(stream)  # positional: DALI 2.4's run(cuda_stream, /)
             except StopIteration:
                 raise
-            except Exception as error:  # noqa: BLE001 (DALI raises both kinds below)
-                # DALI failed the batch (RuntimeError), or one of its reader processes did (a
-                # bare Exception: a damaged shard): the batch is redone with Pillow, which
-                # skips a bad image or raises the reader's own error here; then DALI is rebuilt
+            except Exception as error:  # noqa: BLE001 (DALI's RuntimeError; a reader's bare
+                # Exception for a damaged shard, which the Pillow redo raises as it is)
                 log.warning("DALI failed step %d of epoch %d (%s); redoing it with Pillow",
                             step, epoch + 1, what_failed(error))
                 batch = self.redo_with_pillow(epoch, step)
@@ -145,12 +139,10 @@ class DaliPipeline:
         return "HWC" if self.spec.form.channels_last else "CHW"
 
     def gpu_decoder(self) -> dict:
-        """The hardware JPEG decoder (the rest on CUDA): `hw_decoder_load` 1.0 sends every
-        image it can take there, so which decoder an image meets does not depend on its batch;
-        `affine=False` leaves the cores unpinned for the other workers of the machine;
-        fancy upsampling decodes chroma like libjpeg-turbo, and so like Pillow; per-thread
-        buffers as this split's sizing says, preallocated for the largest image of a sample of
-        the split (app/data/dali_memory.py)."""
+        """The hardware JPEG decoder: `hw_decoder_load` 1.0 sends every image it can take there,
+        so which decoder an image meets does not depend on its batch; `affine=False` leaves the
+        cores unpinned for the machine's other workers; fancy upsampling decodes chroma like
+        libjpeg-turbo, so like Pillow; buffers as app/data/dali_memory.py sizes them."""
         width, height = self.largest
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
@@ -158,12 +150,9 @@ class DaliPipeline:
                 "jpeg_fancy_upsampling": True}
 
     def consumer_stream(self) -> torch.cuda.Stream | None:
-        """Where DALI hands its outputs over. On a GPU, torch's current stream: DALI 2.4's
-        `Pipeline.run(cuda_stream=None, /)` says "If provided, the outputs are returned on this
-        stream. If skipped, the results are host-synchronous", and `outputs()` that they are
-        "bound" to it. So the stream, not the host, waits for DALI's GPU work of the batch, and
-        the copies below queue behind it on the same stream. It needs DALI's default (dynamic)
-        executor, which this pipeline uses. On a CPU: None, run() as before."""
+        """Where DALI hands its outputs over: on a GPU, torch's current stream (DALI 2.4's
+        `Pipeline.run(cuda_stream, /)` returns the outputs on it, with its default executor),
+        so the stream, not the host, waits for DALI's work and the copies queue behind it."""
         device = self.spec.form.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 

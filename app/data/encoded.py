@@ -1,16 +1,12 @@
 """What the nvJPEG pipeline's loader processes hand over: a batch's JPEG bytes, undecoded, with
-each image's plan (crop box, flip, auto-augment ops from the recipe, as for every decoder), so
-the training process decodes the whole batch in one call on its device
-(app/data/nvjpeg_pipeline.py).
+each image's plan from the recipe, so the training process decodes the whole batch in one call
+on its device (app/data/nvjpeg_pipeline.py). Reading, the read-ahead and the order of batches
+are the Pillow pipeline's (ImageDataset, ReadAhead); only what is made of each blob differs.
 
-Reading, the read-ahead and the order of batches are the Pillow pipeline's (ImageDataset,
-ReadAhead): only what is made of each blob differs. The header is read here (Pillow opens
-lazily: the size, not the pixels), which is all plan() needs. Bytes the device decoder must not
-see are dealt with here by the Pillow path itself: a file that does not end whole (a truncated
-one, which a GPU decoder may fill with grey instead of failing) and an image nvJPEG does not
-decode as Pillow does (CMYK and other modes, a PNG under a .JPEG name) are decoded, cropped and
-augmented by Pillow in this process, or skipped where Pillow refuses them, so their pixels and
-the decision to skip are exactly the Pillow path's.
+Bytes the device decoder must not see go the Pillow path here, in the loader process: a file
+that does not end whole (cut short, which a GPU decoder may fill with grey instead of failing)
+and an image nvJPEG does not decode as Pillow does (CMYK and other modes, a PNG under a .JPEG
+name), so their pixels, and the decision to skip them, are exactly the Pillow path's.
 """
 
 from __future__ import annotations
@@ -42,10 +38,7 @@ class EncodedDataset(ImageDataset):
     def prepare(self, path: str, data: bytes, seed: int, recipe: Recipe):
         image = open_image(data)
         if (image.format, image.mode) not in ON_DEVICE or not ends_whole(image, data):
-            # Pillow's pixels, or BadImage (skipped) where Pillow refuses the file: one that
-            # does not end whole is most likely cut short, which a GPU decoder may fill with
-            # grey, and where only its end marker is damaged Pillow decodes it
-            return apply_on_pil(to_rgb(image), recipe, seed)
+            return apply_on_pil(to_rgb(image), recipe, seed)  # or BadImage: skipped
         plan = recipe.plan(image.height, image.width, seed)
         return Encoded(path, data, plan, recipe.size)
 

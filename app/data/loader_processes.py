@@ -34,9 +34,7 @@ LIVENESS_POLL_S = 0.5
 
 
 def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
-    """A DataLoader over `workers` processes that stay for every pass (persistent), forked
-    (`start_method`), each dying with this process (`loader_init`), waited for in steps of
-    LIVENESS_POLL_S."""
+    """A DataLoader over `workers` persistent processes, as the module's docstring says."""
     loader_type = private_api.loader_polling_every(LIVENESS_POLL_S)
     return loader_type(dataset, num_workers=workers, persistent_workers=workers > 0,
                        multiprocessing_context=start_method() if workers else None,
@@ -44,11 +42,9 @@ def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
 
 
 def start_method() -> str:
-    """Fork: a loader process starts in milliseconds with this process's imports and the
-    dataset's table (nothing is pickled to it; the table's paths are fixed-width bytes, so the
-    pages stay shared), and the processes start side by side. Spawn only where a fork is known
-    to break something this process runs (app/runtime/fork_safety.py): each process then
-    imports and unpickles its dataset, one after another."""
+    """Fork (the table's paths are fixed-width bytes, so its pages stay shared), unless a fork
+    is known to break a thread this process runs: then each process imports and unpickles its
+    dataset, one after another."""
     broken = threads_fork_breaks()
     if broken:
         log.info("loader processes are spawned, not forked: this process runs %s threads",
@@ -93,10 +89,7 @@ def record_deaths() -> None:
     def handler(signum, frame) -> None:
         killed = failed = False
         for pid in list(_started):
-            try:
-                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                continue
+            ended = peek_ended(pid)
             if ended is not None:
                 _ended.setdefault(pid, ended)
                 killed |= pid in _killed

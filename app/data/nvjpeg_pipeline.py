@@ -5,20 +5,17 @@ on a GPU, libjpeg-turbo on a CPU: the same code, which is how the tests cover it
 resizes (antialiased bilinear, Pillow's filter), flips and auto-augments each image there with
 torchvision's functional ops, from the same plan as the other decoders.
 
-Bad data never ends a run: what the loader could not read comes as skipped; should nvJPEG
-refuse a batch (it fails it whole), each of its images is decoded alone, and one that nvJPEG
-still refuses (an unusual chroma subsampling, a corrupt stream) is decoded by Pillow from the
-same bytes and plan, or skipped and reported when Pillow refuses it too. A failure that is the
-machine's rather than the image's (the GPU out of memory, a torchvision built without nvJPEG)
-takes the same way, which is slow: it is named in one warning.
+Bad data never ends a run: should nvJPEG refuse a batch (it fails it whole), each image is
+decoded alone, and one it still refuses is decoded by Pillow from the same bytes and plan, or
+skipped where Pillow refuses it too. A failure of the machine rather than the image takes the
+same, slow way: it is named in one warning.
 
-On a GPU the decode call runs with a stream of its own as the current stream, and the training
+On a GPU the decode runs with a stream of its own as the current stream, and the training
 stream waits for it (an event, no host wait): torchvision takes its outputs' memory from the
 current stream's pool and writes them from its decoder's stream without ordering the two, so
-that pool holds nothing but decoded images, each marked as used by the training stream, and a
-block is handed out again only once the work that read it is done. The crops, resizes and ops
-then queue on the training stream. The host does wait for the decode itself (torchvision
-synchronises its decoder's stream before returning): that time counts as data wait in the loop.
+that pool holds only decoded images, each marked as used by the training stream, and a block
+is handed out again only once the work that read it is done. The host does wait for the
+decode itself (torchvision synchronises its decoder's stream): that counts as data wait.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ from app.runtime.errors import first_line
 log = logging.getLogger("imagenet_dp")
 
 
-# What a decoder failure says about the machine rather than the image: a marker of its message
-# (torchvision wraps what nvJPEG and the allocator raise in "Error while decoding JPEG
-# images: ...") and the cause in words
+# A decoder failure that is the machine's, not the image's: a marker of its message and the
+# cause in words
 NOT_THE_IMAGE = (("not compiled with nvJPEG", "this torchvision was built without nvJPEG"),
                  ("out of memory", "the GPU is out of memory"),
                  ("Failed to initialize nvjpeg", "nvJPEG did not start"),

@@ -33,13 +33,11 @@ def mix_seed(*values: int) -> int:
 
 
 def spread_copies(batch: np.ndarray, repetitions: int) -> np.ndarray:
-    """Reorder one global batch of samples (`index * repetitions + copy`, the copies of an
-    image adjacent) copy by copy: all first copies, then all second copies, ...
-
-    Consecutive copies of an image then lie at least floor(len(batch) / repetitions) apart, so
-    any split into `repetitions` or more equal contiguous parts puts them on different workers,
-    as torchvision's stride by world size does. Unlike that stride, the layout does not depend
-    on the world size, so N workers x batch b still see one worker's batch N*b in its order."""
+    """Reorder one global batch of samples (`index * repetitions + copy`) copy by copy: all first
+    copies, then all second copies, ... so any split into `repetitions` or more equal contiguous
+    parts puts an image's copies on different workers, as torchvision's stride by world size
+    does, without depending on the world size (N workers x batch b still see one worker's
+    batch N*b in its order)."""
     if repetitions == 1:
         return batch
     return batch[np.argsort(batch % repetitions, kind="stable")]
@@ -53,15 +51,11 @@ def split_evenly(items: np.ndarray, parts: int, part: int) -> np.ndarray:
 class ShardedBatches:
     """Batch sampler (for DataLoader's `batch_sampler`) yielding [(index, aug_seed), ...].
 
-    Train (shuffle=True): steps_per_epoch = ceil(N / global_batch); the last step may be short,
-    and with several workers a worker's part of it may even be empty; the gradient sync weights
-    each worker by the images it actually had.
-    Val (shuffle=False): each worker takes one contiguous slice of the val set, so every image is
-    counted exactly once (no padding duplicates).
-    Repeated augmentation (train only): an epoch holds num_items // repetitions images (at
-    least one), `repetitions` copies each. With world_size >= repetitions the copies within a
-    full step land on different workers (spread_copies); an image whose copies straddle two
-    steps, or fall in the last, short step, may have two on one worker.
+    Train: the last step may be short, and a worker's part of it even empty (the gradient sync
+    weights each worker by the images it had). Val (shuffle=False): each worker takes one
+    contiguous slice of the val set, so every image counts once (no padding duplicates). With
+    repetitions, an image whose copies straddle two steps, or fall in the last, short step, may
+    have two on one worker.
     """
 
     def __init__(self, num_items: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
