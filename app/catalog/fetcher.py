@@ -6,13 +6,10 @@ folder (an entry's `cache_dir`, else IMAGENET_DP_CACHE, else ~/.cache/imagenet-d
     <kind>/<16 hex digits of the URL's sha256>/<its file name>.lock   held by whoever fetches it
     <kind>/<16 hex digits of the URL's sha256>/<its file name>.part   the download, or its cut
 
-Processes asking at once fetch it once: the first takes the lock, the others wait (at most
-LOCK_WAIT_S) and find the file. A cached file with a checksum is hashed again before use; one
-without is fetched again when its size differs from the object's (a run's last.pt is replaced
-as it trains). A cut download is continued with a Range request where the server honours them,
-from the first byte where it does not; the bytes kept are hashed again. The bytes travel through
-fsspec, or through obstore where a dataset's entry reads with it. Errors are one line naming the
-URL and what to do; `where` names the catalog entry to edit ("" for a command line's URL).
+Processes asking at once fetch it once (`lock`); a cached copy is used while `is_current`; a
+cut download is continued (`download`). The bytes travel through fsspec, or through obstore
+where a dataset's entry reads with it. Errors are one line naming the URL and what to do;
+`where` names the catalog entry to edit ("" for a command line's URL).
 """
 
 from __future__ import annotations
@@ -119,8 +116,9 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
 
 
 def is_current(local: Path, remote: Remote, checksum: Checksum | None) -> bool:
-    """A cached file with a checksum was verified against the checksum of its day, maybe not
-    this one; one without is as current as its size (checkpoints are replaced, not edited)."""
+    """A cached file with a checksum is hashed again (it was verified against the checksum of
+    its day); one without is as current as its size (a run's last.pt is replaced as it
+    trains, not edited)."""
     if checksum:
         with open(local, "rb") as file:
             return hashlib.file_digest(file, checksum[0]).hexdigest() == checksum[1]
@@ -186,8 +184,9 @@ class Remote:
 
 
 def download(remote: Remote, part: Path, algorithm: str | None, report: Report) -> str | None:
-    """The file's bytes into `part` (continued where a cut download left some); the hex digest
-    of the whole file by `algorithm` (hashlib's name), if one is given."""
+    """The file's bytes into `part`, continued with a Range request where a cut download left
+    some (from the first byte where the server takes none); the hex digest of the whole file by
+    `algorithm` (hashlib's name), if one is given, the kept bytes hashed again."""
     kept = part.stat().st_size if part.is_file() else 0
     # Without a size there is no knowing where a cut left off; a larger file changed since.
     offset = kept if kept and remote.size and kept <= remote.size else 0

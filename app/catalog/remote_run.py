@@ -49,35 +49,32 @@ class RemoteRunFolder:
     def describe(self, relative: str = "") -> str:
         return self.root.describe(relative)
 
-    def _path(self, relative: str) -> str:
-        return self.root.path(relative)
-
     def put(self, local: Path, relative: str) -> None:
         """Upload a whole file; an object store shows the object only once all its bytes are
         there (a multipart upload becomes visible when it completes)."""
-        self.root.fs.put_file(str(local), self._path(relative))
+        self.root.fs.put_file(str(local), self.root.path(relative))
 
     def claim(self, relative: str, data: bytes) -> bool:
         """Write `relative` only if no object has that name (a conditional write, S3's
         If-None-Match: *): of two runs that take one name at the same moment, one gets it.
         False: the name is taken."""
         try:
-            self.root.fs.pipe_file(self._path(relative), data, mode="create")
+            self.root.fs.pipe_file(self.root.path(relative), data, mode="create")
         except FileExistsError:
             return False
         return True
 
     def copy(self, source: str, target: str) -> None:
         """A copy inside the bucket (no bytes through this machine): atomic, as a put."""
-        self.root.fs.copy(self._path(source), self._path(target))
+        self.root.fs.copy(self.root.path(source), self.root.path(target))
 
     def delete(self, relative: str) -> None:
-        self.root.fs.rm_file(self._path(relative))
+        self.root.fs.rm_file(self.root.path(relative))
 
     def sizes(self) -> dict[str, int]:
         """Every file of the run folder, relative to it, with its size in bytes."""
         self.root.fs.invalidate_cache()
-        found = self.root.fs.find(self._path(""), detail=True)
+        found = self.root.fs.find(self.root.path(""), detail=True)
         return {self.root._relative(name): info.get("size", 0) for name, info in found.items()
                 if info.get("type") != "directory"}
 
@@ -85,7 +82,7 @@ class RemoteRunFolder:
         """Download to `local` atomically (a cut download leaves no file of that name)."""
         local.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(local) as temporary:
-            self.root.fs.get_file(self._path(relative), str(temporary))
+            self.root.fs.get_file(self.root.path(relative), str(temporary))
         return local
 
     def check_writable(self) -> None:
@@ -93,8 +90,8 @@ class RemoteRunFolder:
         stops the run here, before any worker starts."""
         probe = f".write-probe-{os.getpid()}-{random.randrange(1 << 30)}"
         try:
-            self.root.fs.pipe_file(self._path(probe), b"imagenet-dp")
-            self.root.fs.rm_file(self._path(probe))
+            self.root.fs.pipe_file(self.root.path(probe), b"imagenet-dp")
+            self.root.fs.rm_file(self.root.path(probe))
         except request_errors() as error:
             raise UserError(f"--output-dir: cannot write {self.describe()} "
                             f"({refusal(error)}); check that the bucket exists and that the "

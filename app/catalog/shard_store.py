@@ -19,10 +19,9 @@ from app.catalog.fetcher import FetchError, NotFound, cached_path, fetch, lock
 from app.catalog.shard_index import (RESUME, ShardError, ShardIndex, index_tar, missing_shard,
                                      unpack_parquet)
 from app.catalog.retry import ATTEMPTS, retried
-from app.catalog.storage import DatasetRoot, default_cache_dir
+from app.catalog.storage import DEFAULT_CACHE_GB, DatasetRoot, default_cache_dir
 from app.runtime.files import atomic_path, remove_temporaries
 
-DEFAULT_CACHE_GB = 50.0
 SHARDS = "shards"  # their kind in the cache
 NOT_DATA = (".index.npz", ".lock", ".part")  # what a shard's folder holds beside its data
 

@@ -21,6 +21,7 @@ from app.catalog.retry import OBSTORE_RETRY, S3FS_RETRIES
 from app.runtime.errors import UserError
 
 DEFAULT_CONCURRENCY = 64  # requests in flight per loader process
+DEFAULT_CACHE_GB = 50.0  # an entry's cache_max_gb: its cache folder's bound
 FILE_LAYOUTS = ("kaggle", "imagefolder")  # one file per image
 SHARD_LAYOUTS = ("wds", "parquet")  # many images per file (app/catalog/shards.py)
 LAYOUTS = FILE_LAYOUTS + SHARD_LAYOUTS
@@ -33,10 +34,9 @@ OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no reques
 
 
 class Location:
-    """Anything at a local path or any fsspec URL (a run folder, a checkpoint to resume or start
-    from, a model, an archive; a dataset's root is a DatasetRoot), and the clients that read it.
-    Picklable: the filesystem and the object store client are created lazily in each process
-    that uses them (clients must not cross a fork)."""
+    """Anything at a local path or any fsspec URL (a run folder, a checkpoint, a model, an
+    archive), and the clients that read it. Picklable: the clients are created lazily in each
+    process that uses them (they must not cross a fork)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  store_options: dict[str, Any] | None = None):
@@ -54,7 +54,8 @@ class Location:
 
     @property
     def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
+        protocol = self.fs.protocol  # a name, or a tuple of them
+        return "file" in ((protocol,) if isinstance(protocol, str) else protocol)
 
     @property
     def reader(self) -> str:
@@ -228,8 +229,3 @@ def _aws_credentials(profile: str | None):
         raise UserError("no AWS credentials found (environment, profile, ~/.aws, instance "
                         "role); configure them, or set `anon = true` for a public bucket"
                         ) from None
-
-
-def _protocols(fs) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from app.catalog.retry import ATTEMPTS, request_errors
-from app.catalog.storage import DEFAULT_CONCURRENCY, DatasetRoot
+from app.catalog.storage import DEFAULT_CACHE_GB, DEFAULT_CONCURRENCY, DatasetRoot
 from app.data.cache import DiskCache
 from app.data.object_store import ObjectStoreReads, Outcome
 from app.runtime.errors import first_line
-DEFAULT_CACHE_GB = 50.0
 
 
 class BlobReader:
