@@ -6,16 +6,13 @@ Selection uses DALI conditionals (the pipeline is defined with `enable_condition
 `if op_id <= mid` splits the batch, so each sample runs only its own op. As in DALI's
 auto_aug module, the ops are split as a binary tree (4 levels for 15 ops, not 14).
 
-Where DALI's stock operators differ from Pillow they are rebuilt from arithmetic, so pixels
-match: Pillow truncates where DALI rounds (blends, bilinear sampling); Pillow's greyscale is
-integer ITU-R 601-2 luma; its affine transforms fill a sample point outside the image without
-blending the fill into the edge pixels; its sharpness filter keeps the 1-pixel border. One op
-differs: Equalize uses DALI's `fn.equalize` (OpenCV's lookup table, from the cumulative count
-up to and including each level) where Pillow's table counts up to the level before and rounds
-by a step of (pixels - count of the top level) // 255: a few levels apart on most pixels.
-Images are uint8 HWC, on the CPU or the GPU (arithmetic moves its per-sample CPU inputs there
-itself); magnitudes float64 (the plan's values, so factors round to float32 as Pillow's C code
-rounds them).
+Where DALI's stock operators differ from Pillow (rounding, luma, the fill of affine
+transforms, the sharpness filter's border) they are rebuilt from arithmetic, so pixels match;
+each op's docstring says how. One op differs: Equalize uses DALI's `fn.equalize` (OpenCV's
+lookup table, from the cumulative count up to and including each level) where Pillow's counts
+up to the level before and rounds by a step of (pixels - count of the top level) // 255: a few
+levels apart on most pixels. Images are uint8 HWC, on the CPU or the GPU; magnitudes float64
+(the plan's values, so factors round to float32 as Pillow's C code rounds them).
 """
 
 from __future__ import annotations

@@ -58,10 +58,7 @@ def prepare(data: bytes) -> tuple[int, int, bytes]:
 class BatchSource:
     """DALI external_source callback (batch mode): batch `info.iteration` of DALI's epoch
     `info.epoch_idx`, which is our epoch `first_epoch + epoch_idx`; the first one starts at
-    `first_step` (a run resumed mid-epoch). Outputs per image: encoded bytes, crop anchor
-    (x, y) and shape (w, h) in pixels, mirror flag, label, row in the table, the reason it
-    was skipped as UTF-8 (empty for a good image), the epoch's output size; with auto-augment, also the plan's op ids
-    and magnitudes, one per slot of its policy (unused slots: Identity)."""
+    `first_step` (a run resumed mid-epoch). Outputs per image: as `sample` returns them."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches, first_epoch: int, first_step: int):
@@ -83,12 +80,9 @@ class BatchSource:
     def order(self, epoch: int) -> np.ndarray:
         return self.batches.order(epoch)
 
-    def step_of(self, epoch_idx: int, iteration: int) -> tuple[int, int]:
-        return self.first_epoch + epoch_idx, iteration + (self.first_step if epoch_idx == 0
-                                                          else 0)
-
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
-        epoch, step = self.step_of(info.epoch_idx, info.iteration)
+        epoch = self.first_epoch + info.epoch_idx
+        step = info.iteration + (self.first_step if info.epoch_idx == 0 else 0)
         if step >= self.batches.steps_per_epoch():
             raise StopIteration  # also for the batches DALI asks for ahead of the epoch's end
         items = self.batches.items(self.order(epoch), epoch, step)
@@ -103,6 +97,9 @@ class BatchSource:
 
     def sample(self, recipe: Recipe, index: int, seed: int, data: bytes | None,
                reason: str, label: int) -> tuple:
+        """Encoded bytes, crop anchor (x, y) and shape (w, h), mirror flag, label, row in the
+        table, why it was skipped (UTF-8; empty for a good image), the epoch's output size;
+        with auto-augment, the plan's op ids and magnitudes (op_columns)."""
         if data is not None:
             try:
                 height, width, data = prepare(data)

@@ -181,11 +181,9 @@ class PillowPipeline:
 
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Start the loader processes now, with a pass that asks for nothing: they fork side by
-        side here, at the start of training, from a worker that has made no object-store
-        request yet (app/data/loader_processes.py), and no batch is decoded to be thrown away (the
-        first epoch's pass, with persistent processes, would drain what they had prefetched).
-        Nothing else to take in advance: batches are pinned and moved through torch's caching
-        allocators, which the first steps grow to their steady size."""
+        side at the start of training, from a worker that has made no object-store request yet
+        (app/data/loader_processes.py), and no batch is decoded to be thrown away. Nothing else
+        to take in advance: torch's caching allocators grow in the first steps."""
         if self.loader is not None and self.loader.num_workers:
             self.loader.batch_sampler.empty_pass = True
             for _ in self.loader:  # forks the processes; the pass itself is empty
