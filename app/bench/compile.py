@@ -26,8 +26,6 @@ from app.models.factory import create_model
 from app.training.precision import Precision
 from app.training.speed import CompiledForFullBatches
 
-SETTINGS = ("off", "whole", "regions")
-
 
 def compiled(model: nn.Module, setting: str, batch_size: int, backend: str) -> nn.Module:
     """The module that runs `model` under `setting` (model may be wrapped by DDP)."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from app.bench import model as model_bench
+from app.bench.loader import batches_forever
 from app.bench.peer import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
@@ -75,7 +76,7 @@ def ours(setup: Setup, decoder: str) -> dict:
         job = prepare_job(config)
         write_run_folder(job)
         trainer = Trainer(job, WorkerEnv(device=setup.device), LocalSync())
-        batches = forever(trainer.train_data)
+        batches = batches_forever(trainer.train_data)
 
         def step() -> int:
             batch = next(batches)
@@ -98,13 +99,6 @@ def release() -> None:
     torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def forever(pipeline) -> Iterator:
-    epoch = 0
-    while True:
-        yield from pipeline.epoch(epoch)
-        epoch += 1
 
 
 def peer(setup: Setup) -> dict:
