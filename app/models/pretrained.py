@@ -40,15 +40,12 @@ def match(target: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
           head: tuple[str, ...], where: str) -> Match:
     """Which saved tensors load into which of the model's keys; `where` names the weights
     (and what they were trained as) in the message of the first key that does not fit."""
-    def in_head(key: str) -> bool:
-        return key.startswith(head) if head else False
-
     head_differs = any(saved.get(key) is None or saved[key].shape != value.shape
-                       for key, value in target.items() if in_head(key))
+                       for key, value in target.items() if key.startswith(head))
     loaded, fresh = {}, []
     for key, value in target.items():
         theirs = saved.get(key)
-        if in_head(key) and head_differs:
+        if key.startswith(head) and head_differs:
             fresh.append(key)
         elif theirs is None:
             raise UserError(f"--pretrained {where}: it has no {key} (the first key of this "
@@ -62,7 +59,7 @@ def match(target: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
     if unknown:
         raise UserError(f"--pretrained {where}: {unknown[0]} is not a key of this model "
                         f"({len(unknown)} such keys); check --arch")
-    weight = next((saved[k] for k in target if in_head(k) and k.endswith("weight")
+    weight = next((saved[k] for k in target if k.startswith(head) and k.endswith("weight")
                    and k in saved), None)
     return Match(loaded, tuple(fresh), None if weight is None else weight.shape[0])
 
