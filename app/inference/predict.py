@@ -75,10 +75,9 @@ class OnnxRunner:
         except (RuntimeError, ValueError) as error:  # onnxruntime's own errors subclass these
             raise UserError(f"{path}: ONNX Runtime cannot load it ({str(error)[:120]})"
                             ) from None
-        self.input, self.output = ONNX_INPUT, ONNX_OUTPUT
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        logits = self.session.run([self.output], {self.input: images.numpy()})[0]
+        logits = self.session.run([ONNX_OUTPUT], {ONNX_INPUT: images.numpy()})[0]
         return torch.from_numpy(logits)
 
 
