@@ -332,6 +332,5 @@ def main(argv: list[str]) -> int:
         report, code = bench.run(parts, args.budget, Path(args.out), Path(args.work),
                                  Path(args.archive) if args.archive else None)
     print(bench.format_report(report))
-    if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save(report)
     return code

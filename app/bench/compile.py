@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from app.bench.model import synthetic_batch
 from app.models.factory import create_model
 from app.training.precision import Precision
 from app.training.speed import CompiledForFullBatches
@@ -58,11 +59,7 @@ def measure(job: CompileBenchJob) -> None:
         model = precision.prepare_model(create_model(job.arch, 1000))
         forward = compiled(model, job.setting, job.batch_size, job.backend)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        images = torch.randn(job.batch_size, 3, job.image_size, job.image_size,
-                             device=precision.device)
-        if precision.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        labels = torch.randint(0, 1000, (job.batch_size,), device=precision.device)
+        images, labels = synthetic_batch(precision, job.batch_size, job.image_size)
         on_cuda = precision.device.type == "cuda"
 
         def step() -> float:

@@ -8,6 +8,7 @@ import importlib.util
 import re
 import sys
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,10 +76,7 @@ def figures(junit_xml: Path, log: Path) -> dict:
     """Each test that ended and how, and the counts per outcome."""
     tests = parse_junit(junit_xml) if junit_xml.exists() else \
         ended_in_log(log.read_text(errors="replace"))
-    counts: dict[str, int] = {}
-    for test in tests:
-        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
-    return {"counts": counts, "tests": tests}
+    return {"counts": dict(Counter(test["outcome"] for test in tests)), "tests": tests}
 
 
 def summary(f: dict) -> list[str]:

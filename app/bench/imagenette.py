@@ -16,17 +16,16 @@ the one gpu-check's runner gives the part): a part killed mid-run would be a fai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 from typing import Callable
 
 from app.bench import peers
+from app.bench.cli import saver
 from app.bench.part_runner import DEADLINE_ENV
 from app.bench.photo_parts import missing
 from app.runtime.cli import run_cli
-from app.runtime.files import write_atomically
 
 TARGET = 0.8577  # the leaderboard's top-1 for 128 px, 5 epochs
 CONFIG = "configs/imagenette_128_5.toml"
@@ -97,10 +96,7 @@ def run(setup: peers.Setup, seeds: list[int], target: float, deadline_s: float,
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-
-    def save(report: dict) -> None:
-        write_atomically(args.json, json.dumps(report, indent=2))
-
+    save = saver(args.json)
     copy = Path(args.copy).resolve()
     why = missing(copy)
     if why:

@@ -48,6 +48,15 @@ PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 OPTIMIZER_STEPS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
+def synthetic_batch(precision: Precision, batch_size: int, image_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images, in the memory format of `precision`, and labels of 1,000 classes."""
+    images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device)
+    if precision.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, torch.randint(0, 1000, (batch_size,), device=precision.device)
+
+
 def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, device: str,
             steps: int, warmup: int, augment: BatchAugment | None = None,
             optim: OptimConfig | None = None, ema_every: int = 0,
@@ -72,10 +81,7 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
                         **OPTIMIZER_STEPS[optimizer_step])
-    memory_format = torch.channels_last if precision.channels_last else torch.contiguous_format
-    images = torch.randn(batch_size, 3, image_size, image_size, device=precision.device
-                         ).contiguous(memory_format=memory_format)
-    labels = torch.randint(0, 1000, (batch_size,), device=precision.device)
+    images, labels = synthetic_batch(precision, batch_size, image_size)
     ema = ModelEma(model, decay=0.999, every=ema_every) if ema_every else None
     counter = itertools.count()
     on_cuda = precision.device.type == "cuda"

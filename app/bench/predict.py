@@ -10,8 +10,7 @@ MODEL is an export folder with model.onnx, or `-a ARCH` exports a freshly initia
 from __future__ import annotations
 
 import tempfile
-import time
-from typing import Callable, Iterable
+import timeit
 
 import torch
 
@@ -20,15 +19,6 @@ from app.inference.export import export_model
 from app.inference.model_files import LoadedModel, build, open_model
 from app.inference.predict import OnnxRunner, Runner, TorchRunner, Transform, image_files, predict
 from app.models.saved_weights import ModelSpec
-
-
-def best_seconds(work: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def fresh_model(arch: str, image_size: int) -> LoadedModel:
@@ -55,9 +45,10 @@ def run(model: str, arch: str, image_size: int, images: list[str], batch_size: i
         results, logits = [], {}
         for name, runner in runners.items():
             logits[name] = torch.cat([runner(batch) for batch in batches])  # also warms up
-            model_s = best_seconds(lambda: [runner(batch) for batch in batches], repeats)
-            e2e_s = best_seconds(lambda: consume(predict(runner, files, transform, 5,
-                                                         batch_size)), repeats)
+            model_s = min(timeit.repeat(lambda: [runner(batch) for batch in batches],
+                                        number=1, repeat=repeats))
+            e2e_s = min(timeit.repeat(lambda: list(predict(runner, files, transform, 5,
+                                                           batch_size)), number=1, repeat=repeats))
             results.append({"runtime": name, "model_images_per_s": len(files) / model_s,
                             "e2e_images_per_s": len(files) / e2e_s})
     return {"arch": loaded.spec.arch, "image_size": loaded.spec.crop, "images": len(files),
@@ -67,11 +58,6 @@ def run(model: str, arch: str, image_size: int, images: list[str], batch_size: i
                                           .abs().max()),
             "top1_agreement": float((logits["pytorch"].argmax(1) ==
                                      logits["onnxruntime"].argmax(1)).float().mean())}
-
-
-def consume(items: Iterable) -> None:
-    for _ in items:
-        pass
 
 
 def format_report(report: dict) -> str:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from app.bench.compile import compiled
+from app.bench.model import synthetic_batch
 from app.config import ParallelConfig
 from app.models.factory import create_model
 from app.parallel.launcher import launch
@@ -48,10 +49,7 @@ def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> 
     model = sync.prepare(precision.prepare_model(create_model(job.arch, 1000)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model = compiled(model, job.compile, job.batch_size, job.compile_backend)  # after prepare
-    images = torch.randn(job.batch_size, 3, job.image_size, job.image_size, device=env.device)
-    if precision.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(0, 1000, (job.batch_size,), device=env.device)
+    images, labels = synthetic_batch(precision, job.batch_size, job.image_size)
     times = []
     for _ in range(job.warmup + job.steps):
         started = time.perf_counter()

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from app.bench.start import started_pids
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -63,10 +65,7 @@ def wait_for_training(process: subprocess.Popen, lines: list, run_dir: Path, vic
                                + "".join(line for _, line in lines)[-2000:])
         started = [line for _, line in lines if "started" in line and " pid " in line]
         if started and metrics.exists() and "train/loss" in metrics.read_text():
-            parts = started[0].split(": ", 2)[2].strip().split(", ")
-            pids = {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1])
-                    for part in parts}
-            return pids[victim]
+            return started_pids(started)[victim]
         time.sleep(0.05)
     raise RuntimeError(f"no train step within {timeout_s:.0f} s")
 
