@@ -1,18 +1,12 @@
 """The runner of timed parts behind `bin/bench.py gpu-check` (app/bench/gpu_check.py lists
-the parts: adding one is one entry in a list). Parts run in their order, each in a process group
-of its own with its own deadline, cut shorter when the budget runs low; a part may reserve time
-(the gpu tests do), which the parts before it cannot use, however long they run. Each part
-starts with its run folder and report cleared (a rerun must not read the last run's metrics),
-and is told its deadline (IMAGENET_DP_PART_DEADLINE_S), so that it can leave out a run that
-would not end in time rather than be killed in it.
-As each part ends (finished, failed or killed at its deadline) its report is written:
-`<part>.json` (outcome, seconds, command, the figures it produced, its log's tail) beside
-`<part>.log`, and `summary.md` is rewritten with every part so far. A run cut short (the budget
-spent, Ctrl-C, the machine lost) therefore leaves whatever finished; no part can hold up the
-ones after it.
-
-Only small files go to the report folder (easy to read, copy or pack into one .tar.gz);
-caches, the generated sample and run folders go to the work folder.
+them). Parts run in their order, each in a process group of its own with its own deadline, cut
+shorter when the budget runs low; a part may reserve time (the gpu tests do), which the parts
+before it cannot use, however long they run. Each part starts with its run folder and report
+cleared (a rerun must not read the last run's metrics) and is told its deadline (DEADLINE_ENV),
+so that it can leave out a run that would not end in time rather than be killed in it.
+As each part ends (finished, failed or killed at its deadline), `<part>.json` (outcome, figures,
+its log's tail), `<part>.log` and `summary.md` are written: a run cut short (the budget spent,
+Ctrl-C, the machine lost) leaves whatever finished, and no part can hold up the ones after it.
 """
 from __future__ import annotations
 
@@ -163,8 +157,8 @@ def not_run(part: Part, left_s: float, given_s: float) -> dict:
             "status": f"not run: {left_s:.0f} s of the budget left{kept}", "figures": None}
 
 
-def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str],
-              title: str = "gpu-check") -> list[dict]:
+def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str]
+              ) -> list[dict]:
     """Each part in order within what is left of `budget_s`; every report written as its part
     ends."""
     paths.out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +172,7 @@ def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, s
             if given >= min(MIN_PART_S, part.deadline_s) else not_run(part, left, given)
         outcomes.append(outcome)
         (paths.out / f"{part.name}.json").write_text(json.dumps(outcome, indent=2))
-        write_summary(paths.out / "summary.md", title, budget_s, parts, outcomes)
+        write_summary(paths.out / "summary.md", budget_s, parts, outcomes)
         if paths.archive:
             pack(paths.out, paths.archive)
     return outcomes
@@ -192,11 +186,10 @@ def pack(folder: Path, archive: Path) -> None:
     write_atomically(archive, data.getvalue())
 
 
-def write_summary(path: Path, title: str, budget_s: float, parts: list[Part],
-                  outcomes: list[dict]) -> None:
+def write_summary(path: Path, budget_s: float, parts: list[Part], outcomes: list[dict]) -> None:
     """summary.md: a table of the parts so far, then each finished part's figures."""
     spent = sum(o["seconds"] for o in outcomes)
-    lines = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M')}: {spent:.0f} s of {budget_s:.0f} s",
+    lines = [f"# gpu-check, {time.strftime('%Y-%m-%d %H:%M')}: {spent:.0f} s of {budget_s:.0f} s",
              "", "| part | what | status | seconds |", "| --- | --- | --- | --- |"]
     lines += [f"| {o['name']} | {o['what']} | {o['status']} | {o['seconds']:.0f} |"
               for o in outcomes]
