@@ -2,47 +2,28 @@
 chooses (a new GPU box, a new cloud image, a driver upgrade). Its parts, in their order of
 value, run by app/bench/part_runner.py: a new measurement is one more entry in `parts()`.
 
-How the default 600 s are shared out, part by part in order (docs/benchmarks.md has the
-estimate per part):
-
-- probe, 30 s: seconds, and it says what the machine is even if nothing else runs;
-- imagenette, 145 s: Imagenette's leaderboard row (128 px, 5 epochs), the project's first
-  published figure reproduced, on real photos that `bin/bench.py photos` brought into the work
-  folder. A seed is ~740 steps of ResNet-50-D at 96-128 px, batch 64, eager, at ~10-15 ms
-  (steps this short are bound by kernel launches and the optimizer: ~15 ms a step at batch 256
-  on an H100), so ~30-40 s with the start and five evaluations: three seeds, then
-  pytorch/examples' recipe while a run of it fits. Seconds without the photos;
-- prepare, 135 s: one short driver run that generates the bench sample and compiles ResNet-50
-  by regions at 224 px, batch 256 (train and eval graphs) into the compile cache every later
-  part shares, so that each of them loads its graphs rather than compiling them (a fresh
-  compile is about a minute);
-- gpus_ps, 55 s: two workers on one GPU with the parameter server, one short epoch;
-- e2e, 100 s: end to end per decoder;
-- gpu_tests, 115 s: the slice the runner reserves for them.
-
-Those deadlines, the time to kill the last part before the tests and the tests' slice add up to
-the default budget, so each gets its whole deadline even if every part before it runs to its
-own; a larger budget goes to the gpu tests (all of them need more than the slice). The extras
-(the same two workers with all-reduce, the sync modes by regions, what each DALI pipeline
-reserves, ResNet-50 model only beside the peer's numerics, the optimizer-step grid, the sync
-modes compiled whole, threads vs processes, the cost of a start) come after the tests and run
-on what the parts before them left unused.
+The deadlines of the parts before the gpu tests, the time to kill the last of them and the
+tests' reserved slice add up to the default 600 s, so each gets its whole deadline even if every
+part before it runs to its own (docs/benchmarks.md has the estimate per part); a larger budget
+goes to the gpu tests. The extras come after the tests, on what the parts before them left
+unused. `prepare` compiles ResNet-50 by regions into the compile cache every later part shares,
+so that each loads its graphs rather than compiling them (a fresh compile is about a minute).
+A seed of the imagenette part is ~740 steps of ResNet-50-D at 96-128 px, batch 64, eager,
+bound by kernel launches and the optimizer at ~10-15 ms a step: ~30-40 s with the start and
+five evaluations, so three seeds and a run of the peer's recipe fit its 145 s.
 
 It needs only an interpreter with the training dependencies and pytest (app/bench/probe.py
 names them): no `make setup`, no network, whatever versions the machine has. Tests and parts
 that need packages it lacks (wandb, tensorboard, moto, obstore, DALI) skip themselves or say so.
 
-What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes (4,800
-images) with a checksum comparison after every step; the end-to-end runs measure the peer and
-the model alone once for all decoders; the sync modes run without the 1-worker mode (two
-workers share the one GPU, so one worker's step is no baseline for theirs); the whole-model
-compiles (a fresh one, about a minute each) and the threads rows are extras, and so are the
-all-reduce run, the sync modes by regions and DALI's reservations since the Imagenette row
-came before them (DALI's needs its wheels brought first in any case); the
-optimizer-step grid runs eagerly and without the peer's row (the step does not depend on the
-compile; the peer's fp32 cuDNN autotuning alone took 21 s); the gpu tests run fastest first,
-each with its own timeout. Parts that write JSON figures write them after each row, so a part
-killed at its deadline keeps the rows that finished.
+What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes; the
+end-to-end runs measure the peer and the model alone once for all decoders; the sync modes run
+without the 1-worker mode (two workers share the one GPU, so one worker's step is no baseline
+for theirs); the optimizer-step grid runs eagerly and without the peer's row (the step does
+not depend on the compile; the peer's fp32 cuDNN autotuning alone took 21 s); the whole-model
+compiles, the threads rows, all-reduce, the sync modes by regions and DALI's reservations
+(its wheels must be brought first) are extras. Parts that write JSON figures write them after
+each row, so a part killed at its deadline keeps the rows that finished.
 """
 
 from __future__ import annotations
@@ -146,9 +127,8 @@ def imagenette_part(options: Options) -> Part:
                 command, summary=imagenette_lines)
 
 
-# Deadlines in s. The parts before gpu_tests, the time to kill the last of them (STOP_S) and
-# the tests' reserved slice add up to BUDGET_S: each gets its whole deadline even if every one
-# before it runs to its own (tests/test_gpu_check.py checks).
+# Deadlines in s: up to the gpu tests, with STOP_S, they add up to BUDGET_S (the module's
+# docstring says why; tests/test_gpu_check.py checks).
 def parts(options: Options = Options()) -> list[Part]:
     """Every part, in its order of value."""
     return [

@@ -10,13 +10,9 @@ from app.bench.gpu_check import BUDGET_S, PHOTOS, WORK
 def add_gpu_check(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "gpu-check", help="prove a GPU machine end to end within a time budget (a new GPU box, "
-        "a cloud image, a driver upgrade), parts in their order of value, each with its own "
-        "deadline, each report written the moment it ends: what it is (30 s), Imagenette's "
-        "128 px 5-epoch leaderboard row on real photos, 3 seeds and the peer while it fits "
-        f"(145 s; skipped unless `bench.py photos receive` put them in --work's {PHOTOS}/), "
-        "the bench sample and compile caches (135 s), two workers on one GPU (55 s), end to "
-        "end per decoder (100 s), the gpu tests (115 s, and what a larger budget adds), then "
-        "the extras in what is left (--list shows them)")
+        "a cloud image, a driver upgrade): parts in their order of value, each with its own "
+        "deadline, each report written the moment it ends (--list names them; the imagenette "
+        f"part is skipped unless `bench.py photos receive` put photos in --work's {PHOTOS}/)")
     check.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the "
                        f"parts (default {BUDGET_S:.0f}; a "
                        "larger budget gives the gpu tests more time, then the extras)")

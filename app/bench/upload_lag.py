@@ -3,23 +3,15 @@ new checkpoint (what a machine that dies without notice loses), with the machine
 every core taken by CPU-bound processes, for each niceness of the upload process; and how much
 the upload slows those processes (what it costs the training steps).
 
-Per niceness, a run folder is staged locally and uploaded by the real upload process
-(app/catalog/uploader.py, at that niceness) to moto_server on loopback; CheckpointFolder
-writes each step file, links last.pt to it and tells the upload process as training does. The
-lag runs from save()'s
-return to the first HEAD of the bucket's last.pt (sent by this process every POLL_S) that
-shows the new step file's size; each save is a byte longer than the one before, so a size
-names one save. The uploader's report lines would not do: it says "uploaded step-N.pt" before
-last.pt is copied from it, and nothing once the copy is there. The bytes of the bucket's
-last.pt are compared with the saved ones after the timing.
-
-Under load, each save follows a window in which the load's rate is measured with the upload
-process waiting for a message; its rate from the save to last.pt's
-arrival, against that, is the slowdown a training step would see while an upload runs.
-
-moto_server runs here at niceness 0 and does much of an upload's CPU work (it parses, hashes
-and stores every part; a real bucket does that on other machines): its share is in both the
-lags and the slowdown, so a busy machine fares better with a real bucket.
+Per niceness, the real upload process (app/catalog/uploader.py) mirrors a staged run folder to
+moto_server on loopback, and CheckpointFolder saves as training does. The lag runs from save()'s
+return to the first HEAD of the bucket's last.pt (every POLL_S) that shows the new step file's
+size: each save is longer than the one before, so a size names one save (the uploader's own
+lines would not do: it says "uploaded step-N.pt" before last.pt is copied from it, and nothing
+once the copy is there). Under load, the load's rate before each save (the upload process
+waiting) against its rate from the save to last.pt's arrival is the slowdown a training step
+would see. moto_server, here at niceness 0, does much of an upload's CPU work (a real bucket
+does it on other machines): a busy machine fares better with a real bucket.
 """
 
 from __future__ import annotations
