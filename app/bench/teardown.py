@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.bench.start import started_pids
+from app.bench.start import first_train_time, started_pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,11 +34,15 @@ def kill_one_worker(flags: list[str], victim: str, timeout_s: float) -> dict:
         reader = threading.Thread(target=lambda: lines.extend(
             (time.monotonic(), line) for line in process.stderr), daemon=True)
         reader.start()
+        said = lambda: "".join(line for _, line in lines)[-2000:]  # noqa: E731
         try:
-            pid = wait_for_training(process, lines, Path(folder) / "runs" / "killed", victim,
-                                    timeout_s)
+            try:  # the workers are mid-epoch once a train step is logged
+                wait_for(lambda: first_train_time(Path(folder) / "runs" / "killed" /
+                                                  "metrics.jsonl"), process)
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}: {said()}") from None
             killed = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(started_pids(line for _, line in lines)[victim], signal.SIGKILL)
             process.wait(timeout=timeout_s)
             exited = time.monotonic()
         finally:
@@ -48,26 +52,9 @@ def kill_one_worker(flags: list[str], victim: str, timeout_s: float) -> dict:
         reader.join(timeout=5)
     errors = [(when, line) for when, line in lines if line.startswith("error:") and when > killed]
     if not errors:
-        raise RuntimeError("the driver printed no error line: "
-                           + "".join(line for _, line in lines)[-2000:])
+        raise RuntimeError(f"the driver printed no error line: {said()}")
     return {"error_line_s": errors[0][0] - killed, "exit_s": exited - killed,
             "exit_code": process.returncode, "error": errors[0][1].strip()}
-
-
-def wait_for_training(process: subprocess.Popen, lines: list, run_dir: Path, victim: str,
-                      timeout_s: float) -> int:
-    """The victim's pid, once the run has logged a train step (the workers are mid-epoch)."""
-    deadline = time.monotonic() + timeout_s
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("the driver ended before training: "
-                               + "".join(line for _, line in lines)[-2000:])
-        started = [line for _, line in lines if "started" in line and " pid " in line]
-        if started and metrics.exists() and "train/loss" in metrics.read_text():
-            return started_pids(started)[victim]
-        time.sleep(0.05)
-    raise RuntimeError(f"no train step within {timeout_s:.0f} s")
 
 
 def run(flags: list[str], victim: str, repeats: int, timeout_s: float = 300.0) -> dict:
