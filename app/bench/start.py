@@ -1,13 +1,10 @@
 """`bin/bench.py start`: what starting a run costs. For a one-epoch run of a small sample, the
-whole machine's CPU seconds (from /proc/stat, so every process counts however it was started:
-driver, workers, parameter server, loader processes, anything they start) and the wall time
-from the command to the first optimizer step; the same after a killed worker (`--max-restarts`:
-from the kill to the next step); and pytorch/examples' main.py recipe (app/bench/peer_main.py)
-started the same way beside them.
-
-Another checkout of the project (`--baseline-repo`) can be measured in the same run, each of
-its rows right after the same row of this one, so both meet the same machine. The machine
-should be otherwise idle: /proc/stat counts everyone's work.
+whole machine's CPU seconds (from /proc/stat, so every process counts however it was started)
+and the wall time from the command to the first optimizer step; the same after a killed worker
+(`--max-restarts`: from the kill to the next step); and pytorch/examples' main.py recipe
+(app/bench/peer_main.py) started the same way beside them. Another checkout of the project
+(`--baseline-repo`) can be measured in the same run, each of its rows right after ours, so both
+meet the same machine, which should be otherwise idle: /proc/stat counts everyone's work.
 """
 
 from __future__ import annotations
@@ -24,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from app.bench.usage import TICKS
+
 REPO = Path(__file__).resolve().parents[2]
-TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 RUN_TIMEOUT_S = 600.0
 
 
