@@ -1,12 +1,11 @@
-"""What compiling costs and gives, whole model vs regions (each block
-of the stages, app/training/speed.py), with eager beside them: the first step, compilation
-included, and the median and the best step after it (forward, backward, SGD step on a
-synthetic batch). On a machine shared with other work, trust the best step and the first step's
-CPU time: compiling is mostly one busy thread, whose CPU time other processes barely change
-(inductor's C++ compiler runs in other processes: not counted).
+"""What compiling costs and gives, whole model vs regions (each block of the stages,
+app/training/speed.py), with eager beside them: the first step, compilation included, and the
+median and best step after it, on a synthetic batch. On a shared machine, trust the best step
+and the first step's CPU time: compiling is mostly one busy thread, whose CPU time other
+processes barely change (inductor's C++ compiler runs in other processes: not counted).
 
-Each setting runs in a fresh process with an empty inductor cache directory, so every first
-step compiles from scratch and no setting inherits another's graphs or kernels.
+Each setting runs in a fresh process with an empty inductor cache, so every first step compiles
+from scratch and no setting inherits another's graphs or kernels.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """gpu-check's imagenette part: Imagenette's leaderboard row at 128 px, 5 epochs (fastai/
 imagenette: 85.77% top-1, the mean of 5 runs) trained by our driver with its recipe
-(configs/imagenette_128_5.toml: ResNet-50-D with BlurPool, one-cycle, progressive resizing) on
-the real photos that `bin/bench.py photos receive` put together, seed after seed; then, in what
-is left of the part's time, pytorch/examples' main.py recipe on the same photos at the same
-budget (model, epochs, batch, size, loader processes: `bin/bench.py peers`' runs). Each run's
-top-1 after its last epoch and its wall time (start, training and evaluation) go into the
-report the moment it ends; without a whole copy the part says why and skips itself.
+(configs/imagenette_128_5.toml) on the real photos that `bin/bench.py photos receive` put
+together, seed after seed; then, in what is left of the part's time, pytorch/examples' main.py
+recipe at the same budget (`bin/bench.py peers`' runs). Each run's top-1 and wall time go into
+the report the moment it ends; without a whole copy the part says why and skips itself.
 
     python -m app.bench.imagenette --copy /tmp/imagenet-dp-gpu-check/imagenette --json r.json
 

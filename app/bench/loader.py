@@ -1,14 +1,12 @@
 """Loader-only throughput: read + decode + augment, batches delivered on the device, no model.
-Several datasets (e.g. the local copy and the S3 copy of the same data) in one run, as ratios to
-the first one; an object-store dataset is measured once per reader (today's s3fs path first, as
-the baseline) and every dataset once per decoder (pillow, dali), side by side, plain and with
-each auto-augment policy asked for (ratios to the plain row); the peer's loader
-(pytorch/examples, app/bench/peer.py) on the first dataset, with as many processes, is the
+Several datasets in one run (e.g. the local and the S3 copy of the same data), as ratios to the
+first; an object-store dataset once per reader (s3fs first, the baseline), every dataset once
+per decoder, plain and with each auto-augment policy asked for (ratios to the plain row); the
+peer's loader (app/bench/peer.py) on the first dataset, with as many processes, is the
 baseline of them all.
 
-Per row: images/s through the input pipeline, the CPU cores it kept busy and the CPU it spent
-per image (all its processes and threads), and, for the reader alone (no decoding), GETs/s and
-client CPU per GET: the figure that says how many cores a given image rate costs.
+Per row: images/s, the CPU cores kept busy and the CPU per image (all processes and threads),
+and for the reader alone GETs/s and client CPU per GET: how many cores an image rate costs.
 """
 
 from __future__ import annotations

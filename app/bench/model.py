@@ -1,13 +1,10 @@
 """Model-only throughput: a synthetic batch already on the device, forward + backward + SGD
 step, so neither the input pipeline nor the gradient sync counts. Our settings (bf16 autocast,
 channels_last, torch.compile on CUDA) beside the peer's numerics (pytorch/examples imagenet:
-fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Given batch augmentations
-(random erasing, mixup/cutmix), our settings are measured again with them before the forward,
-and the augmentations alone are timed: their cost per step beside a plain step. A recipe's
-optimizer (LARS, LAMB), clipping and the EMA update are measured the same way, each beside the
-plain step of the same run. The grid of train sizes x batch sizes x optimizer-step
-implementations (torch's foreach kernels or one fused kernel) says what progressive resizing,
-a larger batch and the fused step buy."""
+fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Batch augmentations, a
+recipe's optimizer (LARS, LAMB), clipping and the EMA update are each measured beside the plain
+step of the same run, and the grid of image sizes x batch sizes x optimizer-step implementations
+says what progressive resizing, a larger batch and the fused step buy."""
 
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
-"""The peer's start, for `bin/bench.py start`: pytorch/examples imagenet/main.py as it trains on
-N devices (`--multiprocessing-distributed`): torch.multiprocessing.spawn starts one process per
-device, each importing torch and torchvision anew; each builds torchvision's model, wraps it in
-DistributedDataParallel, reads an ImageFolder through torchvision's transforms in DataLoader
-processes (forked: the default on Linux), trains with SGD and a step schedule, validates, and
-rank 0 saves a checkpoint. Here the devices are CPU processes under gloo.
+"""The peer's start, for `bin/bench.py start` and `peers`: pytorch/examples imagenet/main.py as
+it trains on N devices (`--multiprocessing-distributed`): one process per device from
+torch.multiprocessing.spawn, each importing torch and torchvision anew, torchvision's model in
+DistributedDataParallel, an ImageFolder through torchvision's transforms in DataLoader
+processes, SGD with a step schedule, validation, rank 0's checkpoint; here the devices are CPU
+processes under gloo. As main.py, `-j` is the whole machine's loader processes, and the module
+imports what main.py imports at its top, so each spawned process pays what main.py's do.
 
-Run as `python -m app.bench.peer_main DIR --world N ...`; rank 0 prints a JSON line with the
-wall-clock time of its first optimizer step, and one per epoch with its val top-1 (main.py's
-`acc1`, as a fraction; `bin/bench.py peers` compares it with ours and timm's). As main.py does, `-j` is the loader processes of
-the whole machine, shared out between the processes. The module imports what main.py imports at
-its top, so each spawned process pays what main.py's do.
+`python -m app.bench.peer_main DIR --world N ...`: rank 0 prints a JSON line with the time of
+its first optimizer step, and one per epoch with its val top-1 (main.py's `acc1`, a fraction).
 """
 
 from __future__ import annotations

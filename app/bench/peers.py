@@ -1,22 +1,19 @@
 """`bin/bench.py peers`: one training, three trainers, the same photos on the same machine.
 
 - ours: bin/driver.py with a recipe config (`--config`, e.g. configs/imagenette_cpu.toml);
-- pytorch/examples: its imagenet/main.py recipe in one process (app/bench/peer_main.py:
-  torchvision's transforms and model, SGD 0.1 with a step schedule, DataLoader processes);
+- pytorch/examples: its imagenet/main.py recipe (app/bench/peer_main.py);
 - timm: its train.py, from a pytorch-image-models checkout named by `--timm-train` (it is not
   part of the timm package), with its own defaults; or, with `--peer-recipe ours`, with our
-  config's recipe in its own flags (timm_recipe_flags): then the two runs differ only in the
-  trainer, which is the comparison that isolates it (main.py has no flags for a schedule or
-  label smoothing, so it keeps its own recipe either way).
+  config's recipe in its own flags (timm_recipe_flags), so that only the trainer differs
+  (main.py has no flags for a schedule or label smoothing: it keeps its own recipe).
 
 Same model, epochs, batch size, image size and loader processes; anything else is each
-trainer's own recipe, as its users run it. One run per seed and trainer, interleaved (seed 0:
-ours, examples, timm; then seed 1 ...) so that a change in the machine's load meets all three.
-Each run's final val top-1 and its wall time from the command to its exit (imports, loading and
-validation included), then per trainer the mean, the spread and the wall time's ratio to ours.
-With `--target` (a leaderboard's top-1), also the time from the command to the end of the first
-epoch whose val top-1 reaches it: ours and main.py's stamp each epoch; timm's summary.csv does
-not, so its time to the target is its whole run's when its last epoch reaches it.
+trainer's own recipe, as its users run it. The runs are interleaved (seed 0: ours, examples,
+timm; then seed 1 ...) so that a change in the machine's load meets all three. Each run's final
+val top-1 and its wall time from the command to its exit, then per trainer the mean, the
+spread and the wall time's ratio to ours. With `--target` (a leaderboard's top-1), also the time
+to the end of the first epoch that reaches it (timm's summary.csv stamps no epoch: its time is
+its whole run's when its last epoch reaches it).
 """
 
 from __future__ import annotations

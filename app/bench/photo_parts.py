@@ -2,21 +2,17 @@
 small enough to copy one at a time (the only way files reach such a machine may be a copy of
 a few tens of MiB beside the project's own files).
 
-- pack, where the photos are: an ImageFolder (train/<class>/*, val/<class>/*) re-encoded with
-  its shorter side at N px by the code behind `bin/make_shards.py --shorter-side`
-  (app/catalog/shrink.py: JPEG quality 90; photos already that small stay as they are), dealt
-  in order into tars of at most --part-size each, one per folder p1, p2, ... of --out, each
-  beside a manifest (pack.json). --out must be a folder git ignores: photos are never
-  committed. Same photos, same bytes: the tars carry no times or owners.
-- receive, on the GPU machine: every part found under the folder the parts were copied to,
-  checked against its manifest and unpacked into the copy (--into); the copy is whole once
-  every part of one pack is in. Its receipt (.parts.json in the copy, which the catalog does
-  not read) lists them, so a part copied twice is unpacked once, and a part of a newer pack
-  starts the copy again. A copy that is whole opens as the catalog's `imagenette_local` entry
-  (IMAGENETTE_ROOT=the copy): gpu-check's imagenette part trains on it.
-
-make_shards itself writes shards; the peers of the imagenette part (pytorch/examples' main.py)
-read folders, so the copy here is an ImageFolder.
+- pack, where the photos are: an ImageFolder re-encoded with its shorter side at N px by
+  `bin/make_shards.py --shorter-side`'s code (app/catalog/shrink.py), dealt in order into tars
+  of at most --part-size, one per folder p1, p2, ... of --out, each beside its manifest
+  (pack.json). --out must be a folder git ignores: photos are never committed. Same photos,
+  same bytes: the tars carry no times or owners.
+- receive, on the GPU machine: each part copied there, checked against its manifest and
+  unpacked into the copy (--into). The copy's receipt (.parts.json, which the catalog does not
+  read) lists the parts in, so a part copied twice is unpacked once and a part of a newer pack
+  starts the copy again. A whole copy opens as the catalog's `imagenette_local` entry
+  (IMAGENETTE_ROOT=the copy), which gpu-check's imagenette part trains on: an ImageFolder, not
+  shards, because the peers it runs (pytorch/examples' main.py) read folders.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Predict throughput: an export's model.onnx in ONNX Runtime beside our PyTorch model, on the
-same images with the same transform and batches (bin/predict.py's code for both): images/s
-end to end (read, decode, transform, model) and for the model alone (the same preprocessed
-batches), best of a few passes, with how far their logits and top-1 classes agree.
-
-MODEL is an export folder with model.onnx, or `-a ARCH` exports a freshly initialised model
-(seed 0) to a temporary folder: speed does not depend on the weights.
+same images, transform and batches (bin/predict.py's code for both): images/s end to end and
+for the model alone, best of a few passes, with how far their logits and top-1 classes agree.
+With `-a ARCH`, a freshly initialised model (seed 0) is exported to a temporary folder: speed
+does not depend on the weights.
 """
 
 from __future__ import annotations
