@@ -204,28 +204,18 @@ def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
                          for o in optimizers if clip]
 
 
-def decoder_names(text: str) -> tuple[str, ...]:
-    from app.data.decoders import DECODERS  # noqa: PLC0415
-    names = tuple(name for name in text.split(",") if name)
-    unknown = set(names) - {"auto", *DECODERS}
-    if unknown or not names:
-        build_parser().error(f"--decoders: unknown {', '.join(sorted(unknown)) or 'nothing'}; "
-                             f"known: auto, {', '.join(DECODERS)}")
+def names_in(flag: str, text: str, known, required: bool = False) -> list[str]:
+    """The comma-separated names of `text`, each one of `known` (else the parser's error)."""
+    names = [name for name in text.split(",") if name]
+    unknown = set(names) - set(known)
+    if unknown or (required and not names):
+        build_parser().error(f"{flag}: unknown {', '.join(sorted(unknown)) or 'nothing'}; "
+                             f"known: {', '.join(known)}")
     return names
 
 
 def numbers(text: str) -> list[int]:
     return [int(value) for value in text.split(",") if value]
-
-
-def optimizer_steps(text: str) -> list[str]:
-    from app.bench.model import OPTIMIZER_STEPS  # noqa: PLC0415 (imports torch)
-    kinds = [kind for kind in text.split(",") if kind]
-    unknown = set(kinds) - set(OPTIMIZER_STEPS)
-    if unknown:
-        build_parser().error(f"--optimizer-steps: unknown {', '.join(sorted(unknown))}; "
-                             f"known: {', '.join(OPTIMIZER_STEPS)}")
-    return kinds
 
 
 def saver(path: str | None) -> Callable[[dict], None]:
@@ -243,10 +233,11 @@ def main(argv: list[str]) -> int:
     # torch-heavy modules load after parsing, so --help and mistakes answer at once
     if args.command == "e2e":
         from app.bench import e2e as bench  # noqa: PLC0415
+        from app.data.decoders import DECODERS  # noqa: PLC0415
+        decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
         report = bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
                                        args.image_size, args.workers, args.device, args.steps,
-                                       args.warmup, decoder_names(args.decoders),
-                                       args.compile), save)
+                                       args.warmup, tuple(decoders), args.compile), save)
     elif args.command == "model":
         from app.bench import model as bench  # noqa: PLC0415
         settings = [bench.OURS_EAGER] if args.no_compile else [bench.OURS, bench.OURS_EAGER]
@@ -259,7 +250,8 @@ def main(argv: list[str]) -> int:
                            numbers(args.sizes),
                            recipe_optimizers(args.optimizers, args.clip_grad_norm),
                            args.model_ema_steps, numbers(args.batch_sizes),
-                           optimizer_steps(args.optimizer_steps), save)
+                           names_in("--optimizer-steps", args.optimizer_steps,
+                                    bench.OPTIMIZER_STEPS), save)
     elif args.command == "sync":
         from app.bench import sync as bench  # noqa: PLC0415
         if not set(args.modes.split(",")) <= set(bench.MODES):
@@ -278,14 +270,11 @@ def main(argv: list[str]) -> int:
     elif args.command == "loader":
         from app.bench import loader as bench  # noqa: PLC0415
         from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
-        unknown = set(filter(None, args.auto_augment.split(","))) - set(AUTO_AUGMENT)
-        if unknown:
-            build_parser().error(f"--auto-augment: unknown {', '.join(sorted(unknown))}; "
-                                 f"known: {', '.join(AUTO_AUGMENT)}")
+        augments = names_in("--auto-augment", args.auto_augment, AUTO_AUGMENT)
         report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
                            args.workers, args.batches, tuple(args.readers.split(",")),
                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
-                           tuple(filter(None, args.auto_augment.split(","))))
+                           tuple(augments))
     elif args.command == "predict":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bin/predict.py: before torch
         from app.bench import predict as bench  # noqa: PLC0415
