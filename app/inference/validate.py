@@ -51,8 +51,7 @@ def main(model: str, extra: list[str]) -> int:
     argv = driver_args(model, spec) + extra
     config, _ = parse_config(argv)
     if not config.run.name:
-        name = f"validate-{time.strftime('%Y%m%d-%H%M%S')}"
-        argv += ["--run-name", name]
+        argv += ["--run-name", f"validate-{time.strftime('%Y%m%d-%H%M%S')}"]
         config, _ = parse_config(argv)
     code = run.main(argv)
     if code == 0:
