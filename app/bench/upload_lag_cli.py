@@ -19,7 +19,7 @@ def add_upload_lag(commands: argparse._SubParsersAction) -> None:
     lag.add_argument("--size-mb", type=float, default=189.0, help="the checkpoint's size "
                      "(189: ResNet-50 with SGD's momentum)")
     lag.add_argument("--nicenesses", default="19,10,0", help="of the upload process, "
-                     "comma-separated (a run's is 19)")
+                     "comma-separated (a run's is 0, the training's own)")
     lag.add_argument("--repeats", type=int, default=3, help="saves per niceness, idle and "
                      "loaded each")
     lag.add_argument("--loads", type=int, default=os.cpu_count() or 1, help="CPU-bound load "
