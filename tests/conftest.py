@@ -23,6 +23,7 @@ from pathlib import Path
 # quarter of the suite's CPU time). Set before torch is imported; the workers inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import fsspec  # noqa: E402
 import pytest  # noqa: E402
 import tomli_w  # noqa: E402
 import torch  # noqa: E402
@@ -144,6 +145,7 @@ def driver_surroundings(cwd: Path, env: dict | None, out, err):
         stream.flush()
     saved_fds = os.dup(1), os.dup(2)
     try:
+        forget_filesystems()
         os.chdir(cwd)
         os.environ.update(env or {})
         sys.argv = [str(REPO / "bin" / "driver.py")]
@@ -170,6 +172,18 @@ def driver_surroundings(cwd: Path, env: dict | None, out, err):
         os.environ.clear()
         os.environ.update(saved_environ)
         os.chdir(saved_cwd)
+        forget_filesystems()
+
+
+def forget_filesystems() -> None:
+    """fsspec keeps one filesystem per set of options, and its listings, for the life of a
+    process, where a driver of its own starts without any: a bucket written by other processes
+    meanwhile (a run stopped on another machine), other credentials in the environment."""
+    classes = [fsspec.AbstractFileSystem]
+    while classes:
+        cls = classes.pop()
+        cls.clear_instance_cache()
+        classes.extend(cls.__subclasses__())
 
 
 def worker_pids(stderr_text: str) -> dict[str, int]:

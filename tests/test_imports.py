@@ -28,7 +28,8 @@ def imports(tmp_path_factory) -> dict[str, list[set[str]]]:
     result = run_driver("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny",
                         *TINY_TRAIN_FLAGS, "-b", "16", "-j", "1", "--epochs", "1",
                         "--devices", "cpu,cpu", "--sync", "ps", cwd=folder,
-                        env={moments.IMPORTS_DIR: str(folder)})
+                        env={moments.IMPORTS_DIR: str(folder)},
+                        separate=True)  # a driver process of its own: its imports are the test's
     assert result.returncode == 0, result.stderr
     found: dict[str, dict[int, set[str]]] = {}
     for path in folder.glob("*.imports"):

@@ -85,7 +85,8 @@ def two_workers(tmp_path_factory):
                         *TINY_TRAIN_FLAGS, "--devices", "cpu,cpu", "--sync", "ps", "-b", "16",
                         "--epochs", "1", "-p", "4", "--run-name", "tb", "--logger", loggers,
                         cwd=cwd, env={"WANDB_DIR": str(cwd), "WANDB_MODE": "offline",
-                                      moments.IMPORTS_DIR: str(imports)})
+                                      moments.IMPORTS_DIR: str(imports)},
+                        separate=True)  # a driver process of its own: its imports are the test's
     assert result.returncode == 0, result.stderr
     return cwd, cwd / "runs" / "tb"
 
