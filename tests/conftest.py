@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import inspect
 import logging
 import os
 import resource
+import runpy
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 # One thread per process: the suite runs two tests at once (xdist), each starting workers, on a
 # 2-core machine, where more threads only spin against each other (OpenMP's busy waits cost a
@@ -106,19 +109,42 @@ def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = N
                open_files: int | None = None, separate: bool = False
                ) -> subprocess.CompletedProcess:
     """The driver as a user runs it, its workers and server real processes. Its main() runs in
-    this test process, whose forkserver (app/runtime/forkserver.py) imported torch and the
-    model library once for all the session's runs (seconds of imports each run would pay in a
-    process of its own); `separate=True`, or `open_files` (the soft limit of open file
-    descriptors, `ulimit -n`, inherited by its children), runs bin/driver.py in a real Python
-    process. A run here is bounded by the test's own timeout (pyproject's), not `timeout`."""
+    this test process (`run_here`), whose forkserver (app/runtime/forkserver.py) imported
+    torch and the model library once for all the session's runs (seconds of imports each run
+    would pay in a process of its own); `separate=True`, or `open_files` (the soft limit of
+    open file descriptors, `ulimit -n`, inherited by its children), runs bin/driver.py in a
+    real Python process. A run here is bounded by the test's own timeout (pyproject's), not
+    `timeout`."""
     if separate or open_files:
         return driver_process(args, cwd, timeout, env, open_files)
+    return run_here(run_main, args, cwd, env, "bin/driver.py")
+
+
+def run_tool(script: str, *args, cwd: Path, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    """bin/<script> (export.py, predict.py, validate.py, plot.py) as `run_here` runs the
+    driver: its main() in this test process, which imported torch and the model library once."""
+    return run_here(tool_main(script), [str(arg) for arg in args], cwd, env, f"bin/{script}")
+
+
+@functools.cache
+def tool_main(script: str) -> Callable[[list[str]], int]:
+    return runpy.run_path(str(REPO / "bin" / script))["main"]  # not run as __main__
+
+
+def run_here(main: Callable[[list[str]], int], args, cwd: Path, env: dict | None,
+             program: str) -> subprocess.CompletedProcess:
+    """An entry point's main(args) in this process, in what a process of its own would have
+    (`entry_point_surroundings`): its exit code, stdout and stderr, as subprocess.run gives them."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        with driver_surroundings(cwd, env, out, err):
-            code = run_cli(run_main, list(args))
+        with entry_point_surroundings(cwd, env, program, out, err):
+            try:
+                code = run_cli(main, list(args))
+            except SystemExit as exit:  # argparse's usage errors and --help
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(["bin/driver.py", *args], code, out.read(), err.read())
+        return subprocess.CompletedProcess([program, *args], code, out.read(), err.read())
 
 
 def driver_process(args, cwd, timeout, env, open_files) -> subprocess.CompletedProcess:
@@ -132,8 +158,8 @@ def driver_process(args, cwd, timeout, env, open_files) -> subprocess.CompletedP
 
 
 @contextlib.contextmanager
-def driver_surroundings(cwd: Path, env: dict | None, out, err):
-    """What a driver process of its own would have: its working folder, environment, argv,
+def entry_point_surroundings(cwd: Path, env: dict | None, program: str, out, err):
+    """What a process of its own would have: its working folder, environment, argv,
     stdout and stderr (the descriptors, which its children take over, and Python's streams),
     and the log lines the driver's run_cli shows at INFO on stderr (pytest's own handlers
     already on the root logger would make its logging.basicConfig do nothing)."""
@@ -148,7 +174,7 @@ def driver_surroundings(cwd: Path, env: dict | None, out, err):
         forget_filesystems()
         os.chdir(cwd)
         os.environ.update(env or {})
-        sys.argv = [str(REPO / "bin" / "driver.py")]
+        sys.argv = [str(REPO / program)]
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (closed below)

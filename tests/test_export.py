@@ -3,8 +3,6 @@ timm's local-dir form, and model.onnx, checked by the real clients: timm.create_
 and an onnxruntime InferenceSession."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime
@@ -22,15 +20,14 @@ from app.inference.predict import Transform
 from app.models.factory import create_model
 from app.runtime.errors import UserError
 from app.training import checkpoint
-from conftest import REPO
+from conftest import run_tool
 from trained import CATALOG, epoch_records, train_tiny
 
 CROP_FRACTION = 32 / 37  # the tiny runs' val transform: resize 37, crop 32
 
 
 def run_export(*args, cwd):
-    return subprocess.run([sys.executable, str(REPO / "bin" / "export.py"), *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=240)
+    return run_tool("export.py", *args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +143,8 @@ def test_the_ema_export_of_a_run_with_ema_validates_as_the_runs_ema(trained, tmp
     export(str(last), tmp_path / "ema", ema=True)
     weights = load_file(tmp_path / "ema" / "model.safetensors")
     assert all(torch.equal(weights[k], ema["model"][k]) for k in ema["model"])
-    result = subprocess.run([sys.executable, str(REPO / "bin" / "validate.py"),
-                             str(tmp_path / "ema"), *CATALOG, "-j", "0", "--run-name", "v",
-                             "--output-dir", str(tmp_path)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=240)
+    result = run_tool("validate.py", tmp_path / "ema", *CATALOG, "-j", "0", "--run-name", "v",
+                      "--output-dir", tmp_path, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     evaluated = epoch_records(run)[-1]
     assert evaluated["val_ema/top1"] != evaluated["val/top1"]  # else this proves nothing
@@ -176,10 +171,8 @@ def test_a_small_variant_exports_for_our_tools_and_says_timm_cannot(tmp_path):
 def test_validate_rates_the_export_as_the_driver_rated_the_checkpoint(trained, tmp_path):
     """bin/validate.py: the driver's evaluation, set up from config.json (classes, sizes)."""
     run, _, out = trained
-    result = subprocess.run([sys.executable, str(REPO / "bin" / "validate.py"), str(out),
-                             *CATALOG, "-j", "0", "--run-name", "v", "--output-dir",
-                             str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=240)
+    result = run_tool("validate.py", out, *CATALOG, "-j", "0", "--run-name", "v",
+                      "--output-dir", tmp_path, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     evaluated = epoch_records(run)[-1]
     assert result.stdout.splitlines()[-1] == (

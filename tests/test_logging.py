@@ -3,8 +3,6 @@
 import io
 import json
 import struct
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +10,7 @@ from app.loggers.console import ConsoleLogger
 from app.loggers.plots import load_metrics
 from app.loggers.redact import MASK, redact
 from app.training import checkpoint
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, run_tool
 
 pytest.importorskip("wandb")  # machines that train without it (gpu-check) skip these
 from wandb_records import config, history, of_kind, read_records  # noqa: E402
@@ -112,12 +110,10 @@ def test_curves_png_is_a_valid_png_of_the_run(wandb_runs):
 def test_plot_compares_runs_and_rejects_a_folder_without_metrics(wandb_runs, tmp_path):
     _, _, run_dir = wandb_runs
     out = tmp_path / "compare.png"
-    ok = subprocess.run([sys.executable, str(REPO / "bin" / "plot.py"), str(run_dir),
-                         str(run_dir), "-o", str(out)], capture_output=True, text=True)
+    ok = run_tool("plot.py", run_dir, run_dir, "-o", out, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, str(REPO / "bin" / "plot.py"), str(tmp_path)],
-                         capture_output=True, text=True)
+    bad = run_tool("plot.py", tmp_path, cwd=tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         f"error: cannot read {tmp_path / 'metrics.jsonl'}: No such file or directory; "

@@ -4,8 +4,6 @@ checkpoint or an export, with the evaluation's own transform; bad files reported
 import io
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import timm
@@ -23,13 +21,12 @@ from app.inference.export import export
 from app.inference.predict import run
 from app.runtime.errors import UserError
 from app.training import checkpoint
-from conftest import REPO
+from conftest import run_tool
 from trained import epoch_records, train_tiny
 
 
 def run_predict(*args, cwd):
-    return subprocess.run([sys.executable, str(REPO / "bin" / "predict.py"), *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=240)
+    return run_tool("predict.py", *args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

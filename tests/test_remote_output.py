@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +21,7 @@ from app.catalog.storage import DatasetRoot
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.runtime import moments
 from app.runtime.liveness import descendants, is_alive
-from conftest import REPO, held_pid, read_line_with, run_driver, write_catalog
+from conftest import held_pid, read_line_with, run_driver, run_tool, write_catalog
 from s3 import SECRET_KEY, FaultyProxy
 from test_reliability import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver,  # noqa: F401
                               metric_rows, straight)
@@ -145,10 +144,9 @@ def test_sigterm_uploads_then_exits_75_and_a_fresh_machine_continues_bit_identic
                            "--output-dir", str(tmp_path / "local"), cwd=tmp_path, env=env)
     assert evaluated.returncode == 0, evaluated.stderr
     top1 = metric_rows(tmp_path / "local" / "cut")[-1]["val/top1"]  # the URL named the run
-    validated = subprocess.run(  # bin/validate.py: --pretrained URL, through the cache
-        [sys.executable, str(REPO / "bin" / "validate.py"), step_url, *CATALOG, "-j", "0",
-         "--output-dir", str(tmp_path / "local")], cwd=tmp_path, capture_output=True,
-        text=True, timeout=240, env={**os.environ, **env})
+    validated = run_tool(  # bin/validate.py: --pretrained URL, through the cache
+        "validate.py", step_url, *CATALOG, "-j", "0", "--output-dir", tmp_path / "local",
+        cwd=tmp_path, env=env)
     assert validated.returncode == 0, validated.stderr
     assert f"{step_url}: top-1 {top1:.4f}" in validated.stdout
 

@@ -335,10 +335,7 @@ def test_sigusr1_to_one_task_saves_then_the_requeued_job_resumes(drivers_own, tm
 
 
 def test_gpus_inside_an_srun_task_is_a_one_line_error(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, "--gpus", "2"],
-        cwd=tmp_path, env=srun_environ("31337", 0), capture_output=True, text=True,
-        timeout=60)
+    result = run_driver(*CATALOG, "--gpus", "2", cwd=tmp_path, env=srun_environ("31337", 0))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: --gpus 2 conflicts with srun, which started this process as one of 2 workers "
@@ -351,16 +348,12 @@ def test_task_0_on_another_host_than_the_first_node_is_a_one_line_error(tmp_path
     """Rather than every task waiting for --sync-timeout at an address nobody serves."""
     environ = {**srun_environ("31337", 0), "SLURM_STEP_NODELIST": "gpu[001-002]",
                "SLURM_JOB_NODELIST": "gpu[001-002]"}
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG], cwd=tmp_path,
-        env=environ, capture_output=True, text=True, timeout=60)
+    result = run_driver(*CATALOG, cwd=tmp_path, env=environ)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: task 0 runs on {socket.gethostname()}, but the tasks meet at gpu001 (the "
         "first node of the step): set MASTER_ADDR to task 0's host"]
     # MASTER_ADDR wins over the node list: past that check, the next one answers
     environ["MASTER_ADDR"] = "localhost"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bin" / "driver.py"), *CATALOG, "--gpus", "2"],
-        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    result = run_driver(*CATALOG, "--gpus", "2", cwd=tmp_path, env=environ)
     assert result.returncode == 2 and "--gpus 2 conflicts with srun" in result.stderr

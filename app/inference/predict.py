@@ -149,9 +149,11 @@ def predict(runner: Runner, files: list[str], transform: Transform, k: int = 5,
 
 
 def run(model: str, inputs: list[str], k: int = 5, as_json: bool = False, batch_size: int = 64,
-        device: str = "auto", onnx: bool = False, out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr) -> int:
-    """bin/predict.py: 0 when every image was classified, 1 when some could not be."""
+        device: str = "auto", onnx: bool = False, out: TextIO | None = None,
+        err: TextIO | None = None) -> int:
+    """bin/predict.py: 0 when every image was classified, 1 when some could not be. Writes to
+    sys.stdout and sys.stderr as they are at the call (a caller may have redirected them)."""
+    out, err = out or sys.stdout, err or sys.stderr
     loaded = open_model(model)
     if onnx and loaded.kind != "export":
         raise UserError(f"--onnx runs an export's {EXPORT_ONNX}; {model} is a checkpoint "
