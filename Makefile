@@ -8,13 +8,9 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-# --no-compile: pip would compile all ~17,700 installed modules to bytecode (1.5 CPU-minutes on
-# a 2-core machine) where a run imports a fraction of them, which Python compiles, once, as it
-# first imports them.
 $(VENV)/.installed: requirements.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
-		-r requirements.txt -c constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
 	touch $@
 
 demo: setup
