@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from multiprocessing.process import BaseProcess
 
@@ -31,6 +32,10 @@ log = logging.getLogger("imagenet_dp")
 # tells sooner, but only the main thread, and not where its error lands in a __del__ or an
 # at-fork handler (seen: filelock's); torch's own check comes every 5 s.
 LIVENESS_POLL_S = 0.5
+# A killed loader process ends over a few milliseconds, thread by thread: the DataLoader may
+# already have raised, or /proc show it a zombie, before its end can be read (waitid). How long
+# a failing worker looks for the loader that died, and for how it ended, before it says less.
+DEATH_READABLE_S = 2.0
 
 
 def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
@@ -113,9 +118,12 @@ def loader_death(error: BaseException) -> str | None:
     return str(error) if isinstance(error, LoaderProcessDied) else dead_loader()
 
 
-def describe_death(process: BaseProcess) -> str:
+def describe_death(process: BaseProcess, deadline: float = 0.0) -> str:
     code = process.exitcode
     ended = _ended.get(process.pid) or peek_ended(process.pid)
+    while code is None and ended is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # a zombie leader whose other threads still exit: not yet readable
+        code, ended = process.exitcode, _ended.get(process.pid) or peek_ended(process.pid)
     if code is None and ended is not None:
         code = -ended.si_status if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) \
             else ended.si_status
@@ -139,13 +147,18 @@ def peek_ended(pid: int) -> os.waitid_result | None:
 def dead_loader() -> str | None:
     """How the first of this process's loader processes that died ended (None: none died, but
     for those it killed). Its exit code where multiprocessing has it; else it is gone from
-    /proc (reaped already)."""
-    for process in list(_started.values()):
-        if process.pid in _killed:
-            continue
-        if process.exitcode not in (None, 0) or not is_alive(process.pid):
-            return describe_death(process)
-    return None
+    /proc (reaped already). Asked after an error, so a death still under way is waited for,
+    briefly (DEATH_READABLE_S)."""
+    deadline = time.monotonic() + DEATH_READABLE_S
+    while True:
+        for process in list(_started.values()):
+            if process.pid in _killed:
+                continue
+            if process.exitcode not in (None, 0) or not is_alive(process.pid):
+                return describe_death(process, deadline)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
 
 
 def kill_processes(loader: DataLoader | None) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.loggers import Logger, NullLogger, build_loggers
-from app.data.loader_processes import dead_loader, loader_death
+from app.data.loader_processes import loader_death
 from app.loggers.relay import RelayLogger
 from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
@@ -59,7 +59,7 @@ def run_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int,
     try:
         return train_replica(job, env, plan, cpu_workers, parts, primary_logger)
     except (RuntimeError, OSError, EOFError) as error:
-        cause = loader_death(error) or dead_loader()
+        cause = loader_death(error)
         if cause is None:
             raise
         raise LoaderDied(cause) from None
