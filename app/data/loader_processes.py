@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -113,9 +114,28 @@ class LoaderProcessDied(RuntimeError):
 
 def loader_death(error: BaseException) -> str | None:
     """One line for the loader process's death behind `error` (the DataLoader's, from its
-    SIGCHLD handler or its wait, or ours); None: none of this process's loader processes died
-    (but for those it killed itself)."""
-    return str(error) if isinstance(error, LoaderProcessDied) else dead_loader()
+    SIGCHLD handler or its wait, or ours, or one that carries either in its message); None:
+    none of this process's loader processes died (but for those it killed itself)."""
+    if isinstance(error, LoaderProcessDied):
+        return str(error)
+    message = str(error)
+    told = _TORCH_TELLS.search(message)
+    if told and int(told["pid"]) not in _killed:
+        number = _SIGNALS.get(told["signal"])
+        code = int(told["code"]) if told["code"] else -number if number else None
+        return death_line(int(told["pid"]), code)
+    # Only an error that names a DataLoader worker waits for its death to be readable: any
+    # other (a lost peer) is told at once, before a launcher that saw the peer die ends this
+    # process too.
+    named = "DataLoader worker (pid" in message
+    return dead_loader(wait_s=DEATH_READABLE_S if named else 0.0)
+
+
+# torch's SIGCHLD handler says which loader process died and how: taken as it says it, since
+# by the time the error is handled the process may be reaped, or its object collected.
+_TORCH_TELLS = re.compile(r"DataLoader worker \(pid (?P<pid>\d+)\) (?:is killed by signal: "
+                          r"(?P<signal>[^.]+)\.|exited unexpectedly with exit code (?P<code>-?\d+))")
+_SIGNALS = {signal.strsignal(number): number for number in signal.Signals}
 
 
 def describe_death(process: BaseProcess, deadline: float = 0.0) -> str:
@@ -127,12 +147,17 @@ def describe_death(process: BaseProcess, deadline: float = 0.0) -> str:
     if code is None and ended is not None:
         code = -ended.si_status if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED) \
             else ended.si_status
+    return death_line(process.pid, code)
+
+
+def death_line(pid: int, code: int | None) -> str:
+    """`code`: an exit code, minus the signal that killed it, or None where it is not known."""
     if code is not None and code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
         how += " (by a user or the out-of-memory killer)" if -code == signal.SIGKILL else ""
     else:
         how = "ended" if code is None else f"exited with code {code}"
-    return f"its loader process (pid {process.pid}) {how}"
+    return f"its loader process (pid {pid}) {how}"
 
 
 def peek_ended(pid: int) -> os.waitid_result | None:
@@ -144,12 +169,11 @@ def peek_ended(pid: int) -> os.waitid_result | None:
         return None
 
 
-def dead_loader() -> str | None:
+def dead_loader(wait_s: float = 0.0) -> str | None:
     """How the first of this process's loader processes that died ended (None: none died, but
     for those it killed). Its exit code where multiprocessing has it; else it is gone from
-    /proc (reaped already). Asked after an error, so a death still under way is waited for,
-    briefly (DEATH_READABLE_S)."""
-    deadline = time.monotonic() + DEATH_READABLE_S
+    /proc (reaped already). A death still under way is waited for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
     while True:
         for process in list(_started.values()):
             if process.pid in _killed:

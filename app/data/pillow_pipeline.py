@@ -204,7 +204,7 @@ class PillowPipeline:
         except UserError as error:  # a damaged shard, met in a loader process
             failure = original_error(error)
         except (OSError, EOFError) as error:  # a batch's pipe or shared memory broke
-            death = loaders.dead_loader()
+            death = loaders.dead_loader(wait_s=loaders.DEATH_READABLE_S)
             if death is None:
                 raise
             raise loaders.LoaderProcessDied(death) from error
