@@ -59,3 +59,17 @@ def test_a_killed_loader_process_is_named_and_those_killed_after_a_failure_are_n
     assert float(seconds) < 1.5
     assert line == f"its loader process (pid {victim}) was killed by SIGKILL (by a user or " \
                    "the out-of-memory killer)"
+
+
+def test_torchs_line_for_a_dead_loader_is_told_as_it_says_even_inside_another_error():
+    """The DataLoader's SIGCHLD handler can interrupt a wait for a peer, whose error then carries
+    its line; by then the process may be reaped and its object collected."""
+    from app.data import loader_processes as loaders
+    wrapped = RuntimeError("could not receive the 'avg' from the parameter server: RuntimeError: "
+                           "DataLoader worker (pid 4242) is killed by signal: Killed.")
+    exited = RuntimeError("DataLoader worker (pid 4343) exited unexpectedly with exit code 3. "
+                          "Details are lost due to multiprocessing.")
+    assert loaders.loader_death(wrapped) == "its loader process (pid 4242) was killed by " \
+        "SIGKILL (by a user or the out-of-memory killer)"
+    assert loaders.loader_death(exited) == "its loader process (pid 4343) exited with code 3"
+    assert loaders.loader_death(RuntimeError("Connection closed by peer")) is None
