@@ -267,12 +267,13 @@ def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded
         worker = held_pid(process, held, "worker:first-batch")
         proxy.forbid_writes_now()  # config.toml is claimed: every later write is refused
         os.kill(worker, signal.SIGCONT)
-        held_pid(process, held, "checkpoint:saved")  # epoch 1's checkpoint, not uploaded
+        # The saver is rank 0, which need not be the worker that reached its first batch first.
+        saver = held_pid(process, held, "checkpoint:saved")  # epoch 1's, not uploaded
         said = read_line_with(process, "could not upload")
         proxy.forbid_writes_now(False)
         said += read_line_with(process, "uploads work again")
         process.send_signal(signal.SIGTERM)
-        os.kill(worker, signal.SIGCONT)  # epoch 2 is left: the stop saves mid-epoch
+        os.kill(saver, signal.SIGCONT)  # epoch 2 is left: the stop saves mid-epoch
         code, stderr = process.wait(timeout=120), said + process.stderr.read()
     finally:
         proxy.stop()
