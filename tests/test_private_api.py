@@ -147,3 +147,36 @@ os._exit(0)
     assert found[2] != "None" and float(found[2]) < 2, \
         "torch.utils.data.dataloader._MultiProcessingDataLoaderIter._try_get_data's timeout " \
         f"no longer sets how often a wait checks its processes (noticed after {found[2]} s)"
+
+
+def test_torchs_error_for_a_dead_loader_names_its_pid_and_how_it_ended():
+    """torch's SIGCHLD handler words, read by loader_death_told: a loader killed by SIGKILL,
+    and one that exited with code 3."""
+    told = run_python("""
+import os, signal, time
+from torch.utils.data import DataLoader, Dataset
+from app.runtime.private_api import loader_death_told, loader_processes, names_a_loader
+
+class Ends(Dataset):
+    def __init__(self, code): self.code = code
+    def __len__(self): return 4
+    def __getitem__(self, index):
+        if self.code is not None:
+            os._exit(self.code)
+        time.sleep(60)
+
+for code in (None, 3):
+    loader = DataLoader(Ends(code), num_workers=1, multiprocessing_context="fork",
+                        persistent_workers=True)
+    batches = iter(loader)
+    (process,) = loader_processes(loader)
+    if code is None:
+        os.kill(process.pid, signal.SIGKILL)
+    try:
+        next(batches)
+    except RuntimeError as error:
+        pid, ended = loader_death_told(error)
+        print(pid == process.pid, ended, names_a_loader(error))
+""")
+    assert told == ["True", str(-9), "True", "True", "3", "True"], \
+        "torch's words for a dead DataLoader worker changed (private_api.loader_death_told)"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -118,24 +117,14 @@ def loader_death(error: BaseException) -> str | None:
     none of this process's loader processes died (but for those it killed itself)."""
     if isinstance(error, LoaderProcessDied):
         return str(error)
-    message = str(error)
-    told = _TORCH_TELLS.search(message)
-    if told and int(told["pid"]) not in _killed:
-        number = _SIGNALS.get(told["signal"])
-        code = int(told["code"]) if told["code"] else -number if number else None
-        return death_line(int(told["pid"]), code)
+    told = private_api.loader_death_told(error)
+    if told and told[0] not in _killed:
+        return death_line(*told)
     # Only an error that names a DataLoader worker waits for its death to be readable: any
     # other (a lost peer) is told at once, before a launcher that saw the peer die ends this
     # process too.
-    named = "DataLoader worker (pid" in message
+    named = private_api.names_a_loader(error)
     return dead_loader(wait_s=DEATH_READABLE_S if named else 0.0)
-
-
-# torch's SIGCHLD handler says which loader process died and how: taken as it says it, since
-# by the time the error is handled the process may be reaped, or its object collected.
-_TORCH_TELLS = re.compile(r"DataLoader worker \(pid (?P<pid>\d+)\) (?:is killed by signal: "
-                          r"(?P<signal>[^.]+)\.|exited unexpectedly with exit code (?P<code>-?\d+))")
-_SIGNALS = {signal.strsignal(number): number for number in signal.Signals}
 
 
 def describe_death(process: BaseProcess, deadline: float = 0.0) -> str:

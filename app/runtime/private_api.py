@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import re
+import signal
 from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator
@@ -89,3 +91,35 @@ def loader_polling_every(seconds: float) -> type:
             return PollingIterator(self)
 
     return PollingLoader
+
+
+# torch's words for a loader process that its SIGCHLD handler saw die (torch/csrc/DataLoader.cpp).
+_TORCH_SAYS_DIED = re.compile(
+    r"DataLoader worker \(pid (?P<pid>\d+)\) (?:is killed by signal: (?P<signal>[^.]+)\.|"
+    r"exited unexpectedly with exit code (?P<code>-?\d+))")
+_SIGNALS_BY_DESCRIPTION = {signal.strsignal(number): number for number in signal.Signals}
+
+
+def loader_death_told(error: BaseException) -> tuple[int, int | None] | None:
+    """The pid and the exit code (minus the signal that killed it; None: a signal with no
+    name) of the loader process that torch's `error` names, in its message (also quoted in
+    another error's) or in its cause's (torch's wait raises "exited unexpectedly" from it);
+    None where it names none. Read from torch's text, which is no API: by the time the error is
+    handled, the process may be reaped and its object collected, and torch exposes the pid and
+    the cause nowhere else."""
+    told = None
+    while error is not None and told is None:
+        told = _TORCH_SAYS_DIED.search(str(error))
+        error = error.__cause__ or error.__context__
+    if told is None:
+        return None
+    if told["code"] is not None:
+        return int(told["pid"]), int(told["code"])
+    number = _SIGNALS_BY_DESCRIPTION.get(told["signal"])
+    return int(told["pid"]), -number if number else None
+
+
+def names_a_loader(error: BaseException) -> bool:
+    """Whether torch's `error` is about one of its loader processes, told or not how it ended
+    ("exited unexpectedly", from its wait)."""
+    return "DataLoader worker (pid" in str(error)
