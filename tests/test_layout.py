@@ -278,3 +278,22 @@ def test_the_words_rule_finds_an_issue_number_and_the_machine():
         assert NOT_THE_PRODUCTS.search(line), line
     for line in ("an issue with the bucket", "the machine's 2 cores", "a GPU machine of yours"):
         assert not NOT_THE_PRODUCTS.search(line), line
+
+
+def test_files_are_locked_one_way_in_one_module():
+    """fetcher.machine_lock: the downloads' locks and the disk cache's ledger's."""
+    lockers = sorted(str(path.relative_to(REPO)) for path in APP.rglob("*.py")
+                     if {"fcntl", "filelock"} & {name.split(".")[0] for name in
+                                                 imported_names(path)})
+    assert lockers == ["app/catalog/fetcher.py"]
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module `path` imports, by its absolute name (anywhere in the file)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names

@@ -6,7 +6,8 @@ folder (an entry's `cache_dir`, else IMAGENET_DP_CACHE, else ~/.cache/imagenet-d
     <kind>/<16 hex digits of the URL's sha256>/<its file name>.lock   held by whoever fetches it
     <kind>/<16 hex digits of the URL's sha256>/<its file name>.part   the download, or its cut
 
-Processes asking at once fetch it once (`lock`); a cached copy is used while `is_current`; a
+Processes asking at once fetch it once (`lock`; every file lock of this program is a
+`machine_lock`, the disk cache's ledger's too); a cached copy is used while `is_current`; a
 cut download is continued (`download`). The bytes travel through fsspec, or through obstore
 where a dataset's entry reads with it. Errors are one line naming the URL and what to do;
 `where` names the catalog entry to edit ("" for a command line's URL).
@@ -94,25 +95,36 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
         raise UserError(f"cannot create the cache folder {target.parent} ({error.strerror}); "
                         f"set IMAGENET_DP_CACHE{_or_cache_dir(where)} to a writable folder"
                         ) from None
-    held = FileLock(f"{target}.lock")
-    try:
-        held.acquire(timeout=0)
-    except Timeout:
+    held = machine_lock(target)
+    if not acquired(held, 0):
         if not wait:
             yield False
             return
         say(report, f"waiting for another process that downloads {url} into {target} "
                      f"(at most {_duration(LOCK_WAIT_S)})")
-        try:
-            held.acquire(timeout=LOCK_WAIT_S)
-        except Timeout:
+        if not acquired(held, LOCK_WAIT_S):
             raise UserError(f"waited {_duration(LOCK_WAIT_S)} for another process to download "
                             f"{url} into {target}; stop it if it hangs (the process that holds "
-                            f"{held.lock_file}), then run again") from None
+                            f"{held.lock_file}), then run again")
     try:
         yield True
     finally:
         held.release()
+
+
+def machine_lock(target: Path) -> FileLock:
+    """The lock beside `target` that every process of this machine takes to make or change it
+    (this module's downloads, the disk cache's ledger): the one way this program locks files.
+    The kernel releases it with the process that holds it, however that process ends."""
+    return FileLock(f"{target}.lock")
+
+
+def acquired(held: FileLock, timeout_s: float) -> bool:
+    try:
+        held.acquire(timeout=timeout_s)
+        return True
+    except Timeout:
+        return False
 
 
 def is_current(local: Path, remote: Remote, checksum: Checksum | None) -> bool:

@@ -8,13 +8,16 @@ fraction (size / dataset) every epoch.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 from pathlib import Path
 
+from app.catalog.fetcher import acquired, machine_lock
 from app.runtime.files import write_atomically
 
-LEDGER = ".bytes"  # total bytes admitted so far, updated under an exclusive file lock
+LEDGER = ".bytes"  # total bytes admitted so far, updated under the machine's lock beside it
+# A holder updates the ledger in microseconds; one that takes longer is stopped (SIGSTOP, a
+# debugger): the image then goes uncached rather than its loader waiting on it.
+LEDGER_WAIT_S = 10.0
 
 
 class DiskCache:
@@ -47,16 +50,21 @@ class DiskCache:
 
     def _admit(self, size: int) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / LEDGER, "a+") as ledger:
-            fcntl.flock(ledger, fcntl.LOCK_EX)
-            ledger.seek(0)
-            used = int(ledger.read() or 0)
-            if used + size > self.max_bytes:
-                self.full = True
-                return False
-            ledger.seek(0)
-            ledger.truncate()
-            ledger.write(str(used + size))
+        held = machine_lock(self.folder / LEDGER)
+        if not acquired(held, LEDGER_WAIT_S):
+            return False
+        try:
+            with open(self.folder / LEDGER, "a+") as ledger:
+                ledger.seek(0)
+                used = int(ledger.read() or 0)
+                if used + size > self.max_bytes:
+                    self.full = True
+                    return False
+                ledger.seek(0)
+                ledger.truncate()
+                ledger.write(str(used + size))
+        finally:
+            held.release()
         return True
 
     def used_bytes(self) -> int:
