@@ -39,7 +39,10 @@ export PIP_SOURCES_AS_UV_FLAGS
 demo: setup
 	$(PY) bin/driver.py --config configs/demo.toml
 
+# The suite starts hundreds of Python processes; where PYTHONDONTWRITEBYTECODE is set (CI
+# images often do) each would compile app/ anew: compiled once here instead.
 test: setup
+	$(PY) -m compileall -q -j 0 app bin
 	$(PY) -m pytest -n 2 --dist loadfile
 
 test-gpu: setup
