@@ -117,9 +117,29 @@ def under_mpirun(cwd, *flags: str) -> subprocess.Popen:
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.fixture
+def mpirun_job(tmp_path):
+    """under_mpirun in tmp_path, ended at the test's end if it still runs (mpirun passes the
+    SIGTERM on to its ranks; SIGKILL after 30 s): a failed test leaves no ranks behind."""
+    started = []
+
+    def start(*flags: str) -> subprocess.Popen:
+        started.append(under_mpirun(tmp_path, *flags))
+        return started[-1]
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
 def test_two_mpirun_ranks_train_as_torchruns_do_into_one_run_folder(one_worker_reference,  # noqa: F811
-                                                                     tmp_path):
-    process = under_mpirun(tmp_path, *CATALOG, *EXACT, "-b", "5", "--device", "cpu",
+                                                                     tmp_path, mpirun_job):
+    process = mpirun_job(*CATALOG, *EXACT, "-b", "5", "--device", "cpu",
                            "--run-name", "mpi")
     stdout, stderr = process.communicate(timeout=240)
     assert process.returncode == 0, stderr[-3000:]
@@ -160,10 +180,10 @@ def rank_pid(rank: int) -> int:
     raise AssertionError(f"no rank {rank} below mpirun")
 
 
-def test_sigusr1_to_mpirun_saves_a_checkpoint_and_exits_75(tmp_path):
+def test_sigusr1_to_mpirun_saves_a_checkpoint_and_exits_75(tmp_path, mpirun_job):
     """mpirun passes SIGUSR1 (Slurm's --signal before the time limit) to every rank and waits
     for them: both save at the same step and exit 75, and so does mpirun."""
-    process = under_mpirun(tmp_path, *LONG)
+    process = mpirun_job(*LONG)
     once_training(process, tmp_path / "runs" / "long")
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=120)
@@ -173,8 +193,9 @@ def test_sigusr1_to_mpirun_saves_a_checkpoint_and_exits_75(tmp_path):
     assert 0 < cut["step"] < 60 and len(cut["replicas"]) == 2
 
 
-def test_a_rank_that_dies_stops_the_other_within_seconds_and_mpirun_names_it(tmp_path):
-    process = under_mpirun(tmp_path, *LONG)
+def test_a_rank_that_dies_stops_the_other_within_seconds_and_mpirun_names_it(tmp_path,
+                                                                             mpirun_job):
+    process = mpirun_job(*LONG)
     once_training(process, tmp_path / "runs" / "long")
     os.kill(rank_pid(1), signal.SIGKILL)
     killed = time.monotonic()
