@@ -224,6 +224,8 @@ def test_peers_bench_needs_timms_train_py_for_timm():
     assert result.returncode == 2 and "--timm-train" in result.stderr
 
 
+# the schedulers are stepped without an optimizer step on purpose: only their LRs are read
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step\\(\\).:UserWarning")
 def test_peers_give_timm_our_recipe_the_same_lr_at_every_step(tmp_path):
     """--peer-recipe ours: train.py's flags, read back through timm's own scheduler factory,
     give the LR our ffcv schedule gives at every update of a 5-epoch run (to within our
