@@ -18,7 +18,7 @@ from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.launch.run import prepare_job
 from app.training import preflight
-from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows, write_catalog
+from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, run_tool, skipped_rows, write_catalog
 
 for needed in ("boto3", "obstore", "s3fs"):  # machines without them (gpu-check) skip these
     pytest.importorskip(needed)
@@ -242,15 +242,11 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path, s3_server, capsys):
 
 
 def test_bench_reports_loader_speed_of_s3_beside_local(tmp_path, s3_server, s3_tiny):
-    import subprocess
-    import sys
     catalog = s3_catalog(tmp_path, s3_tiny, s3_server.endpoint)
     report = tmp_path / "loader.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bin" / "bench.py"), "loader", "--catalog", str(catalog),
-         "--dataset", "local", "--dataset", "s3", "-b", "32", "-j", "0", "--batches", "4",
-         "--image-size", "32", "--json", str(report)],
-        capture_output=True, text=True, timeout=300)
+    result = run_tool("bench.py", "loader", "--catalog", catalog, "--dataset", "local",
+                      "--dataset", "s3", "-b", "32", "-j", "0", "--batches", "4",
+                      "--image-size", "32", "--json", report, cwd=REPO)
     assert result.returncode == 0, result.stderr
     rows = json.loads(report.read_text())["results"]
     # the S3 dataset once per reader, today's s3fs path first: the baseline of the others
