@@ -176,12 +176,12 @@ class Recorder(NullLogger):
 
 
 def test_progressive_resizing_compiles_one_graph_per_size_not_per_step(tmp_path):
-    """Regions compiled with aot_eager (no code generation): 5 steps an epoch at 32 then 64 px;
-    val at 32 px. Each block compiles once per (mode, size) it meets, whatever the steps."""
+    """Regions compiled by dynamo alone (the eager backend: what is compiled, not how): 5 steps
+    an epoch at 32 then 64 px; val at 32 px. Each block compiles once per (mode, size) it meets, whatever the steps."""
     torch._dynamo.reset()
     counters.clear()
     job = train_in_process(tmp_path, "--classes", "5", "--epochs", "2", *PROGRESSIVE,
-                           "--compile", "on", "--compile-backend", "aot_eager",
+                           "--compile", "on", "--compile-backend", "eager",
                            "--run-name", "progressive")
     recorder = Recorder()
     train_worker(job, WorkerEnv(), LocalSync(), recorder)
