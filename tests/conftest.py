@@ -137,7 +137,7 @@ def run_here(main: Callable[[list[str]], int], args, cwd: Path, env: dict | None
     """An entry point's main(args) in this process, in what a process of its own would have
     (`entry_point_surroundings`): its exit code, stdout and stderr, as subprocess.run gives them."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        with entry_point_surroundings(cwd, env, program, out, err):
+        with entry_point_surroundings(cwd, env, [program, *args], out, err):
             try:
                 code = run_cli(main, list(args))
             except SystemExit as exit:  # argparse's usage errors and --help
@@ -158,7 +158,7 @@ def driver_process(args, cwd, timeout, env, open_files) -> subprocess.CompletedP
 
 
 @contextlib.contextmanager
-def entry_point_surroundings(cwd: Path, env: dict | None, program: str, out, err):
+def entry_point_surroundings(cwd: Path, env: dict | None, argv: list[str], out, err):
     """What a process of its own would have: its working folder, environment, argv,
     stdout and stderr (the descriptors, which its children take over, and Python's streams),
     and the log lines the driver's run_cli shows at INFO on stderr (pytest's own handlers
@@ -174,7 +174,7 @@ def entry_point_surroundings(cwd: Path, env: dict | None, program: str, out, err
         forget_filesystems()
         os.chdir(cwd)
         os.environ.update(env or {})
-        sys.argv = [str(REPO / program)]
+        sys.argv = [str(REPO / argv[0]), *map(str, argv[1:])]
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (closed below)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -108,11 +109,29 @@ def driver(*args: str) -> list[str]:
 
 
 def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
-    """The driver with `args` (run "cut"), sent SIGTERM once step `step` is logged: its exit
-    code and stderr."""
-    process = start_until_step(cwd, driver(*args), step)
-    process.send_signal(signal.SIGTERM)
-    return process.wait(timeout=60), process.stderr.read()
+    """The driver with `args` (run "cut") in this process (`run_driver`: its workers come
+    from the session's forkserver, which imported torch once), sent SIGTERM once step `step`
+    is logged, as a scheduler sends it to a driver: its exit code and stderr."""
+    ended = threading.Event()
+    signaller = threading.Thread(target=sigterm_at_step, daemon=True,
+                                 args=(cwd / "runs" / "cut", step, ended))
+    signaller.start()
+    try:
+        result = run_driver(*args, cwd=cwd)
+    finally:
+        ended.set()
+        signaller.join()
+    return result.returncode, result.stderr
+
+
+def sigterm_at_step(run_dir, step: int, ended: threading.Event) -> None:
+    """SIGTERM to this process's main thread, where the driver's handler runs (to the thread,
+    so that a wait it is in is interrupted at once), once `run_dir` logged step `step`; nothing
+    if the run ends first."""
+    while not ended.wait(0.05):
+        if any(r["step"] >= step for r in metric_rows(run_dir)):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+            return
 
 
 @pytest.mark.parametrize("split", ["1 worker", "2 workers ps",
