@@ -122,8 +122,9 @@ def run_driver(*args: str, cwd: Path, timeout: float = 240, env: dict | None = N
 
 def run_tool(script: str, *args, cwd: Path, env: dict | None = None
              ) -> subprocess.CompletedProcess:
-    """bin/<script> (export.py, predict.py, validate.py, plot.py) as `run_here` runs the
-    driver: its main() in this test process, which imported torch and the model library once."""
+    """bin/<script> (export.py, predict.py, validate.py, plot.py, bench.py) as `run_here`
+    runs the driver: its main() in this test process, which imported torch and the model
+    library once."""
     return run_here(tool_main(script), [str(arg) for arg in args], cwd, env, f"bin/{script}")
 
 

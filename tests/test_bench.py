@@ -14,7 +14,7 @@ from conftest import REPO, run_tool
 
 def bench(*args):
     """bin/bench.py's main() in this process, which imported torch and the model library once
-    (the benches that time a start, start, peers, start fresh processes themselves)."""
+    (`start` and `peers` time fresh processes: they start those themselves)."""
     return run_tool("bench.py", *args, cwd=REPO)
 
 
