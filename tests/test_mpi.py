@@ -19,7 +19,7 @@ from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO
 from test_parallel import CATALOG, EXACT, one_worker_reference, relative_difference, weights  # noqa: F401
-from test_reliability import last, metric_rows
+from test_reliability import last, logged_step, metric_rows
 from test_slurm import SRUN_TASK_9
 
 # What Open MPI's mpirun sets for rank 1 of `mpirun -n 4` on one machine.
@@ -159,7 +159,7 @@ LONG = (*CATALOG, "-a", "test_resnet", "--classes", "5", "--image-size", "32", "
 
 def once_training(process: subprocess.Popen, run_dir: Path, step: int = 3) -> None:
     deadline = time.monotonic() + 180
-    while not any(r["step"] >= step for r in metric_rows(run_dir)):
+    while not logged_step(run_dir, step):
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "no training step logged"
         time.sleep(0.05)

@@ -60,6 +60,11 @@ def metric_rows(run_dir):
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
+def logged_step(run_dir, step: int) -> bool:
+    """Whether the run in `run_dir` has logged step `step` (or a later one) yet."""
+    return any(r["step"] >= step for r in metric_rows(run_dir))
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """straight(split): the last checkpoint of an uninterrupted run of that split, run once
@@ -98,7 +103,7 @@ def start_until_step(cwd, command: list[str], step: int,
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, start_new_session=own_group)
     deadline = time.monotonic() + 120
-    while not any(r["step"] >= step for r in metric_rows(cwd / "runs" / "cut")):
+    while not logged_step(cwd / "runs" / "cut", step):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.05)
     return process
@@ -129,7 +134,7 @@ def sigterm_at_step(run_dir, step: int, ended: threading.Event) -> None:
     so that a wait it is in is interrupted at once), once `run_dir` logged step `step`; nothing
     if the run ends first."""
     while not ended.wait(0.05):
-        if any(r["step"] >= step for r in metric_rows(run_dir)):
+        if logged_step(run_dir, step):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
             return
 
