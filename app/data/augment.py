@@ -1,9 +1,8 @@
-"""Train and eval recipes: where to crop, whether to flip, which auto-augment ops, and
-normalisation.
+"""Train and eval recipes: where to crop, whether to flip, which auto-augment ops, and the
+normalisation's statistics.
 
-Crop boxes, flips and ops are computed from the image size and a per-image seed, so any
-decoder (Pillow, DALI) applies the same recipe. Plain Python: DALI's reader processes import
-this module, and they have no use for torch.
+Plans come from the image size and a per-image seed, so every decoder applies the same recipe.
+Plain Python: DALI's reader processes import this module and have no use for torch.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ Box = tuple[int, int, int, int]  # top, left, height, width
 
 @dataclass(frozen=True)
 class Plan:
-    """What happens to one image: crop `box` (resized to the recipe's size), mirror it when
-    `flip`, then apply `ops` in order (auto-augment; empty when off)."""
+    """Crop `box` (resized to the recipe's size), mirror when `flip`, then apply `ops`."""
     box: Box
     flip: bool
     ops: Ops = ()
@@ -78,8 +76,6 @@ class TrainRecipe:
         return cls(sizes.at(0), sizes=sizes if sizes.progressive else None, **options)
 
     def at_epoch(self, epoch: int) -> "TrainRecipe":
-        """This epoch's recipe: its size from the schedule (auto-augment's translations
-        scale with it)."""
         if self.sizes is None:
             return self
         return dataclasses.replace(self, size=self.sizes.at(epoch))
@@ -88,7 +84,7 @@ class TrainRecipe:
         rng = random.Random(seed)
         box = random_resized_crop_box(height, width, rng, self.scale, self.ratio)
         flip = rng.random() < 0.5
-        # drawn after the crop and the flip, so those stay what they were without auto-augment
+        # drawn last: the crop and flip stay those of a run without auto-augment
         return Plan(box, flip, self.policy().draw(rng))
 
     def policy(self) -> Policy:

@@ -1,12 +1,8 @@
-"""Auto-augment policies as torchvision defines them (TrivialAugmentWide, RandAugment and
+"""Auto-augment policies as torchvision defines them (TrivialAugmentWide, RandAugment,
 AutoAugment's ImageNet policy), reduced to what a plan needs: the ops an image gets and their
-signed magnitudes, drawn from the image's own random stream.
-
-Plain Python like app/data/augment.py (DALI's reader processes import it). A magnitude is the
-value torchvision's `_apply_op` takes for that op: a shear factor, pixels, degrees, an enhance
-offset (factor - 1), bits or a threshold; app/data/image_ops.py and app/data/dali_ops.py
-apply it.
-"""
+signed magnitudes, drawn from the image's own random stream. Plain Python (DALI's reader
+processes import it). A magnitude is the value torchvision's `_apply_op` takes for the op:
+app/data/image_ops.py and app/data/dali_ops.py apply it."""
 
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ IDENTITY: Op = ("Identity", 0.0)
 class Linear:
     """Magnitudes from 0 at bin 0 to `high` at the last bin, negated half the time."""
     high: float
-    # Translations: torchvision truncates them to whole pixels. Its bins are float32, so where
-    # a bin is a whole number of pixels it may land just below (TA-wide's bin 15: 15.999999,
-    # so 15 px); here the exact value (16 px).
+    # Translations, truncated to whole pixels as torchvision does; its float32 bins may land
+    # just below a whole number (TA-wide's bin 15: 15 px), here the exact value (16 px).
     whole: bool = False
     signed = True
 
@@ -73,8 +68,8 @@ WIDE_SPACE: Space = (
 
 @functools.cache
 def standard_space(size: int) -> Space:
-    """RandAugment's and AutoAugment's ops and ranges (without Identity and Invert, which one
-    each adds); translations scale with the (square) image, as in the AutoAugment paper."""
+    """RandAugment's and AutoAugment's ops (each adds Identity or Invert); translations scale
+    with the (square) image, as in the AutoAugment paper."""
     shift = 150.0 / 331.0 * size
     return (("ShearX", Linear(0.3)), ("ShearY", Linear(0.3)),
             ("TranslateX", Linear(shift, whole=True)), ("TranslateY", Linear(shift, whole=True)),

@@ -1,21 +1,17 @@
 """Per-batch augmentations on the training device: random erasing, then mixup or cutmix, one
 implementation whatever decoder made the DeviceBatch.
 
-Every random number (which images are erased and where, mixup or cutmix, lambda, the cutmix
-box) is drawn on the host from generators seeded by the seed, the epoch and the micro-batch's
-place in the epoch's global order (worker r's batch j is the (j x world_size + r)-th run of
-`batch size` images of it: app/data/sampler.py). The device never tells the host anything (no
-sync per step), a resumed run draws the same numbers, and so does a run that holds the same
+Every random number is drawn on the host from generators seeded by the seed, the epoch and the
+micro-batch's place in the epoch's global order (worker r's batch j is the (j x world_size +
+r)-th run of `batch size` images: app/data/sampler.py). So the device never tells the host
+anything, and a resumed run draws the same numbers, as does a run that holds the same
 micro-batches another way (2 workers x 8 images, or 1 worker x 8 x 2 accumulated). Another
 per-worker batch size mixes other groups (mixup pairs images within a worker's batch, as
-torchvision's and timm's do); seeding erasing per image would spare that but cost a generator
-per image (~15 us each; docs/benchmarks.md).
+torchvision and timm do); seeding erasing per image would cost a generator per image.
 
-Semantics are torchvision's (references/classification, transforms.v2): RandomErasing is the
-train preset's last transform, so after Normalize (fill 0 is the mean); with both alphas set,
-MixUp or CutMix per batch with equal probability; targets become the same mix of one-hot rows
-(label smoothing of the mix, applied by the loss, is the mix of smoothed rows: the map is
-linear).
+Semantics are torchvision's (references/classification, transforms.v2): RandomErasing after
+Normalize (fill 0 is the mean); MixUp or CutMix per batch; targets become the same mix of
+one-hot rows (label smoothing, a linear map, commutes with the mix).
 """
 
 from __future__ import annotations
@@ -36,17 +32,15 @@ if TYPE_CHECKING:  # the data layer does not depend on the config at run time
 ERASE_SCALE = (0.02, 0.33)  # share of the image's area
 ERASE_RATIO = (0.3, 3.3)  # height / width
 ERASE_TRIES = 10
-# A fourth value keeps these streams apart from each other and from the per-image crop seeds
-# (mix_seed(seed, epoch, index)); separate streams also let erasing be switched on or off
-# without changing which batches are mixed and how.
+# A fourth value keeps these streams apart from each other and from the per-image crop seeds;
+# erasing on or off then changes nothing of the mixing.
 ERASE_STREAM, MIX_STREAM = 1, 2
 
 
 # --- host: the plan of one batch, plain Python --------------------------------------------
 
 def erase_box(height: int, width: int, rng: random.Random) -> Box | None:
-    """torchvision's RandomErasing box; None when ten tries found none that fits (the image is
-    left as it is, as torchvision returns it)."""
+    """torchvision's RandomErasing box; None (the image left as it is) when none fits."""
     area = height * width
     log_ratio = (math.log(ERASE_RATIO[0]), math.log(ERASE_RATIO[1]))
     for _ in range(ERASE_TRIES):
@@ -61,9 +55,8 @@ def erase_box(height: int, width: int, rng: random.Random) -> Box | None:
 
 def erase_plan(count: int, height: int, width: int, p: float, rng: random.Random
                ) -> list[Box | None]:
-    """Each image's box, or None. torchvision decides per image inside its transform, before
-    batching; here the decisions for every image of the batch are drawn on the host, in batch
-    order, and the device erases the whole batch at once."""
+    """Each image's box, or None, drawn in batch order (torchvision decides per image before
+    batching); the device erases the whole batch at once."""
     return [erase_box(height, width, rng) if rng.random() < p else None for _ in range(count)]
 
 
@@ -159,8 +152,7 @@ def apply_mix(images: torch.Tensor, targets: torch.Tensor, mix: Mix) -> None:
 
 
 class BatchAugment:
-    """Random erasing and mixup/cutmix of one worker's batches, as configured; with all three
-    off it hands the batch through untouched."""
+    """Random erasing and mixup/cutmix of one worker's batches; all off, a pass-through."""
 
     def __init__(self, random_erase: float = 0.0, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, *, num_classes: int, seed: int = 0, rank: int = 0,
@@ -183,9 +175,8 @@ class BatchAugment:
 
     def plan(self, count: int, height: int, width: int, step: int, epoch: int = 0
              ) -> BatchPlan:
-        """Everything random about this worker's batch `step` of `epoch` (its micro-batches
-        counted from the epoch's start): a pure function of the seed, the epoch, the batch's
-        place in the epoch's global order and its shape."""
+        """Everything random about this worker's micro-batch `step` of `epoch`: a pure function
+        of the seed, the epoch, the batch's place in the epoch's global order and its shape."""
         place = step * self.world_size + self.rank
         erase_rng = random.Random(mix_seed(self.seed, epoch, place, ERASE_STREAM))
         mix_rng = random.Random(mix_seed(self.seed, epoch, place, MIX_STREAM))
@@ -196,10 +187,9 @@ class BatchAugment:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, step: int, epoch: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) for the loss: `labels` unchanged unless mixing is on, then
-        probability rows in the images' dtype. Works on `images` in place: the pipelines hand
-        over a fresh tensor per batch that nothing reads afterwards. Any batch size works; a
-        batch of 0 or 1 images is not mixed (one image mixed with itself is itself)."""
+        """(inputs, targets) for the loss: with mixing on, targets are probability rows in the
+        images' dtype. In place: the pipelines hand over a fresh tensor per batch that nothing
+        reads afterwards."""
         if not (self.random_erase > 0 or self.mixes):
             return images, labels
         plan = self.plan(images.shape[0], images.shape[-2], images.shape[-1], step, epoch)

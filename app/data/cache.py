@@ -1,9 +1,8 @@
 """A local disk cache of remote blobs, bounded in size, shared by every loader process.
 
-It fills up to `max_bytes` and then stays as it is. Training reads every image once per epoch
-in a new random order, so an LRU cache smaller than the dataset would evict each image just
-before its next use and hit almost never; a cache that keeps what it has serves the same
-fraction (size / dataset) every epoch.
+It fills up to `max_bytes` and then stays as it is: each epoch reads every image once in a new
+random order, so an LRU cache smaller than the dataset would evict each image just before its
+next use; one that keeps what it has serves size / dataset of every epoch.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from app.catalog.fetcher import acquired, machine_lock
 from app.runtime.files import write_atomically
 
 LEDGER = ".bytes"  # total bytes admitted so far, updated under the machine's lock beside it
-# A holder updates the ledger in microseconds; one that takes longer is stopped (SIGSTOP, a
-# debugger): the image then goes uncached rather than its loader waiting on it.
+# A holder that takes longer is stopped (SIGSTOP, a debugger): the image then goes uncached.
 LEDGER_WAIT_S = 10.0
 
 

@@ -1,25 +1,17 @@
-"""What a DALI pipeline's JPEG decoder reserves, sized for each split (no DALI import here, so
-gpu-check and the tests can state it anywhere), and the image size it preallocates for.
+"""What a DALI pipeline's JPEG decoder reserves, sized for each split, and the image size it
+preallocates for (no DALI import here, so gpu-check and the tests can state it anywhere).
 
-DALI's mixed decoder preallocates, when the pipeline is built, one device buffer of
-`device_memory_padding` bytes per thread and two pinned host buffers of `host_memory_padding`
-bytes per thread (double buffering; `decoders.image_slice`'s documentation); a worker holds two
-pipelines, train and val, for the whole run. A buffer too small for an image is no error:
-nvJPEG grows it to fit, and it keeps that size (docs/training.md gives the sums).
+The mixed decoder preallocates, when the pipeline is built, one device buffer of
+`device_memory_padding` bytes and two pinned host buffers of `host_memory_padding` per thread;
+a worker holds a train and a val pipeline for the whole run. A buffer too small for an image is
+no error: nvJPEG grows it and keeps that size (docs/training.md gives the sums). Train keeps
+NVIDIA's ImageNet values, so the training loop never reallocates; val, a short pass, DALI's
+defaults. Threads: no more than the batch's images (a thread decodes one image of a batch; one
+beyond the batch size would hold buffers and never decode).
 
-- Train keeps NVIDIA's ImageNet values, sized for ImageNet's largest image: the training loop
-  never reallocates, and its whole reservation is made before the first step.
-- Val takes DALI's own defaults: its pass runs once per epoch over ~4% as many images, so a
-  reallocation there costs a few allocations per epoch, not a stall per step.
-- Threads: no more than the batch's images (DALI gives each thread one image of a batch: a
-  thread beyond the batch size never decodes, yet would hold its buffers).
-
-The preallocation hint (the size the hardware decoder's buffers are built for) was ImageNet's
-largest train image, ~3.2 GB of GPU memory per pipeline on an H100 (docs/benchmarks.md). It is
-now the largest width and height among the headers of a seeded sample of the split's images
-(`largest_image`): about a second on local disk, where every header of ImageNet's train set
-would take minutes, and a GET per image on an object store. An image beyond it makes nvJPEG
-grow that buffer once.
+The preallocation hint is the largest width and height among the headers of a seeded sample of
+the split's images (`largest_image`), not ImageNet's largest (GBs per pipeline:
+docs/benchmarks.md); an image beyond it makes nvJPEG grow that buffer once.
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ from app.data.reader import BlobReader
 # NVIDIA's values for ImageNet: the biggest image (5980 x 6430) decodes without reallocation.
 IMAGENET_DEVICE_PADDING = 211_025_920
 IMAGENET_HOST_PADDING = 140_544_512
-# DALI 2.4's documented defaults for decoders.image_slice (16 MiB and 8 MiB), spelled out so the
-# formula stays true if a later DALI changes them.
+# DALI 2.4's defaults for decoders.image_slice, spelled out: the sums hold if a DALI changes them
 DALI_DEVICE_PADDING = 16 * 2**20
 DALI_HOST_PADDING = 8 * 2**20
 IMAGENET_LARGEST = (5980, 6430)  # width, height: the hint NVIDIA's examples use (an upper bound)
@@ -66,18 +57,16 @@ class DecoderMemory:
 
 
 def decoder_memory(split: str, batch_size: int, threads: int) -> DecoderMemory:
-    """The decoder's threads and per-thread buffers for one pipeline of `split` ("train" or
-    "val") decoding batches of `batch_size` images with up to `threads` threads."""
+    """For one pipeline of `split` ("train" or "val") with up to `threads` threads."""
     device_padding, host_padding = PADDINGS[split]
     return DecoderMemory(max(1, min(threads, batch_size)), device_padding, host_padding)
 
 
 def largest_image(root: DatasetRoot, paths: Sequence[str], sample: int = HINT_SAMPLE,
                   seed: int = 0) -> tuple[int, int]:
-    """(width, height): the largest of each among the headers of `sample` of `paths` (seeded,
-    so every worker finds the same), no larger than ImageNet's largest; unreadable files are
-    passed over (the run skips them anyway). Shard layouts keep ImageNet's bound: a header
-    there is read by fetching its whole shard."""
+    """(width, height): the largest among the headers of a seeded `sample` of `paths`, capped
+    at ImageNet's largest; unreadable files are passed over. Shard layouts keep ImageNet's
+    bound: a header there costs fetching its whole shard."""
     if root.layout in SHARD_LAYOUTS:
         return IMAGENET_LARGEST
     chosen = random.Random(seed).sample(list(paths), min(sample, len(paths)))

@@ -1,18 +1,13 @@
-"""DALI's side of auto-augment: the ops of app/data/auto_augment.py with the semantics of the
-Pillow path (torchvision's functional ops on PIL images), selected per sample by the op id and
-magnitude our reader hands over for each slot of the plan.
+"""DALI's side of auto-augment: the ops of app/data/auto_augment.py with the Pillow path's
+semantics, selected per sample by the op id and magnitude the reader hands over for each slot.
 
-Selection uses DALI conditionals (the pipeline is defined with `enable_conditionals=True`):
-`if op_id <= mid` splits the batch, so each sample runs only its own op. As in DALI's
-auto_aug module, the ops are split as a binary tree (4 levels for 15 ops, not 14).
-
-Where DALI's stock operators differ from Pillow (rounding, luma, the fill of affine
-transforms, the sharpness filter's border) they are rebuilt from arithmetic, so pixels match;
-each op's docstring says how. One op differs: Equalize uses DALI's `fn.equalize` (OpenCV's
-lookup table, from the cumulative count up to and including each level) where Pillow's counts
-up to the level before and rounds by a step of (pixels - count of the top level) // 255: a few
-levels apart on most pixels. Images are uint8 HWC, on the CPU or the GPU; magnitudes float64
-(the plan's values, so factors round to float32 as Pillow's C code rounds them).
+Selection uses DALI conditionals (`enable_conditionals=True`): `if op_id <= mid` splits the
+batch, so each sample runs only its own op (a binary tree of the ops, as in DALI's auto_aug).
+Where DALI's operators differ from Pillow (rounding, luma, the affine fill, the sharpness
+filter's border) they are rebuilt from arithmetic so pixels match. Equalize alone differs: DALI's
+`fn.equalize` (OpenCV's lookup table, counting up to and including each level; Pillow's counts
+up to the level before and rounds otherwise) is a few levels off on most pixels. Images are
+uint8 HWC; magnitudes float64 (factors then round to float32 as Pillow's C code rounds them).
 """
 
 from __future__ import annotations
@@ -61,10 +56,9 @@ def to_uint8(values: DataNode) -> DataNode:
 # --- geometric ops: Pillow's affine sampling -------------------------------------------------
 
 def warp(images: DataNode, matrix: DataNode) -> DataNode:
-    """Pillow's transform with a matrix mapping output to input points: bilinear with the
-    neighbours clamped to the image, 0 where the point itself falls outside it. DALI's own
-    fill would blend 0 into the edge pixels, so `inside` (a nearest-neighbour warp of ones,
-    the same test) masks a clamped warp; floats, then truncated as Pillow does."""
+    """Pillow's transform (output -> input matrix): bilinear, neighbours clamped to the image,
+    0 where the point falls outside. DALI's fill would blend 0 into the edge pixels, so a
+    nearest-neighbour warp of ones masks a clamped warp; floats, truncated as Pillow does."""
     ones = fn.cast(images[:, :, 0:1] * 0 + 1, dtype=types.UINT8)
     inside = fn.warp_affine(ones, matrix=matrix, fill_value=0, interp_type=types.INTERP_NN)
     pixels = fn.warp_affine(images, matrix=matrix, interp_type=types.INTERP_LINEAR,
@@ -89,8 +83,8 @@ def translate(images: DataNode, pixels: DataNode, axis: int) -> DataNode:
 
 
 def rotate(images: DataNode, degrees: DataNode) -> DataNode:
-    """About the image centre (Pillow's: width / 2, height / 2); counter-clockwise on screen
-    for a positive angle, whose output -> input matrix is DALI's rotation by that angle."""
+    """About Pillow's centre (width / 2, height / 2); a positive angle is counter-clockwise on
+    screen, whose output -> input matrix is DALI's rotation by that angle."""
     shape = images.shape(dtype=types.FLOAT)
     centre = fn.stack(shape[1], shape[0]) * 0.5
     return warp(images, fn.transforms.rotation(angle=fn.cast(degrees, dtype=types.FLOAT),
@@ -100,8 +94,7 @@ def rotate(images: DataNode, degrees: DataNode) -> DataNode:
 # --- colour ops: Pillow's ImageEnhance and ImageOps ---------------------------------------
 
 def blend(degenerate: DataNode, images: DataNode, offset: DataNode) -> DataNode:
-    """Pillow's Image.blend(degenerate, image, factor), factor = 1 + offset: computed in
-    float32 from integers and truncated, like its C loop."""
+    """Pillow's Image.blend(degenerate, image, 1 + offset): float32, truncated, as its C."""
     factor = fn.cast(offset + 1.0, dtype=types.FLOAT)
     return to_uint8(degenerate + factor * (fn.cast(images, dtype=types.INT32) - degenerate))
 
@@ -114,8 +107,7 @@ def luma(images: DataNode) -> DataNode:
 
 
 def mean_luma(images: DataNode) -> DataNode:
-    """ImageEnhance.Contrast's grey level: the mean luma, rounded half up (float64, as
-    Pillow's ImageStat)."""
+    """ImageEnhance.Contrast's grey: the mean luma, rounded half up (float64: ImageStat)."""
     shape = images.shape(dtype=types.FLOAT64)
     total = fn.cast(fn.reductions.sum(luma(images)), dtype=types.FLOAT64)
     return fn.cast(dmath.floor(total / (shape[0] * shape[1]) + 0.5), dtype=types.INT32)
@@ -145,8 +137,8 @@ def solarize(images: DataNode, threshold: DataNode) -> DataNode:
 
 
 def autocontrast(images: DataNode) -> DataNode:
-    """ImageOps.autocontrast: per channel, lowest -> 0 and highest -> 255 with Pillow's lookup
-    table (x * scale + offset in float64, truncated); a flat channel stays as it is."""
+    """ImageOps.autocontrast: per channel, lowest -> 0 and highest -> 255 by Pillow's lookup
+    table (float64, truncated); a flat channel stays."""
     low = fn.cast(fn.reductions.min(images, axis_names="HW", keep_dims=True), dtype=types.FLOAT64)
     high = fn.cast(fn.reductions.max(images, axis_names="HW", keep_dims=True),
                    dtype=types.FLOAT64)

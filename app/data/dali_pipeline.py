@@ -1,16 +1,14 @@
 """The DALI input pipeline: our recipe, NVIDIA's engine.
 
-Reader processes (DALI's parallel external source, app/data/dali_source.py) read a batch's bytes
-through app/data/samples.py and hand DALI each image's crop box, flip and auto-augment ops from
-the recipe's plan(), so data order and augmentation stay functions of (seed, epoch, image) and
-exact resume holds. DALI decodes just that region (`decoders.image_slice`; "mixed" on a GPU),
-resizes it with an antialiased linear filter (Pillow's), runs each sample's ops
-(app/data/dali_ops.py) after the flip, torchvision's order, and normalises it straight to float.
+Reader processes (app/data/dali_source.py) hand DALI each image's bytes, crop box, flip and
+auto-augment ops from the recipe's plan(), so order and augmentation stay functions of (seed,
+epoch, image) and exact resume holds. DALI decodes just that region (`decoders.image_slice`;
+"mixed" on a GPU), resizes it antialiased (Pillow's filter), runs the ops (app/data/dali_ops.py)
+after the flip, torchvision's order, and normalises straight to float.
 
-A bad image never ends a run: the reader hands over a placeholder and a reason instead, and this
-side drops and reports it like the Pillow path. Should DALI still fail a batch (a file whose
-header looked fine), that batch is redone through the Pillow path, which skips the bad file (or
-raises a damaged shard's one-line error), and the pipeline is rebuilt from the next step.
+A bad image arrives as a placeholder with a reason, dropped and reported as the Pillow path
+does. Should DALI still fail a batch, it is redone through the Pillow path (which skips the bad
+file, or raises a damaged shard's error) and the pipeline is rebuilt from the next step.
 """
 
 from __future__ import annotations
@@ -49,9 +47,7 @@ class DaliPipeline:
         self.next: tuple[int, int] | None = None  # (epoch, step) the built pipeline delivers
         self.fallback: ImageDataset | None = None
         self.to_device = ToDevice(spec.form)  # for batches redone through Pillow
-        # the decoder's threads and buffers, sized for this split (app/data/dali_memory.py);
-        # a fixed order marks the evaluation pass
-        split = "train" if spec.batches.shuffle else "val"
+        split = "train" if spec.batches.shuffle else "val"  # a fixed order: the evaluation
         self.memory = decoder_memory(split, spec.batches.batch_size, spec.workers)
         self.largest = largest_image(spec.root, spec.frame.path) if \
             spec.form.device.type == "cuda" else None  # only the mixed decoder preallocates
@@ -63,9 +59,8 @@ class DaliPipeline:
         return self.spec.batches.steps_per_epoch()
 
     def open(self, epoch: int, start_step: int = 0) -> None:
-        """Builds the pipeline that delivers `start_step` of `epoch` first, unless that one is
-        built already: DALI's threads, the decoder's preallocated GPU and pinned buffers and
-        the reader processes exist from here on."""
+        """Builds the pipeline that delivers `start_step` of `epoch` first, unless built: its
+        threads, reader processes and the decoder's preallocated buffers exist from here on."""
         epoch = self.pass_of(epoch)
         if self.next != (epoch, start_step):
             self.build(epoch, start_step)
@@ -95,7 +90,6 @@ class DaliPipeline:
         self.end_epoch(epoch)
 
     def build(self, epoch: int, step: int) -> None:
-        """A pipeline that delivers `step` of `epoch` first, then the following epochs."""
         self.close()
         spec = self.spec
         source = BatchSource(spec.root, spec.frame, spec.recipe, spec.batches, epoch, step)
@@ -134,15 +128,13 @@ class DaliPipeline:
         return images, labels.gpu() if on_gpu else labels, rows, reasons
 
     def layout(self) -> str:
-        """HWC is channels_last NCHW once permuted, for free; a model that wants contiguous
-        NCHW (on a CPU) gets CHW written directly rather than a copy afterwards."""
+        """HWC is channels_last NCHW once permuted, for free; else CHW, written directly."""
         return "HWC" if self.spec.form.channels_last else "CHW"
 
     def gpu_decoder(self) -> dict:
-        """The hardware JPEG decoder: `hw_decoder_load` 1.0 sends every image it can take there,
-        so which decoder an image meets does not depend on its batch; `affine=False` leaves the
-        cores unpinned for the machine's other workers; fancy upsampling decodes chroma like
-        libjpeg-turbo, so like Pillow; buffers as app/data/dali_memory.py sizes them."""
+        """`hw_decoder_load` 1.0: every image the hardware decoder can take goes there, whatever
+        its batch; `affine=False` leaves the cores unpinned for the machine's other workers;
+        fancy upsampling decodes chroma like libjpeg-turbo, so like Pillow."""
         width, height = self.largest
         return {"device": "mixed", "hw_decoder_load": self.hw_decoder_load,
                 "preallocate_width_hint": width, "preallocate_height_hint": height,
@@ -150,16 +142,14 @@ class DaliPipeline:
                 "jpeg_fancy_upsampling": True}
 
     def consumer_stream(self) -> torch.cuda.Stream | None:
-        """Where DALI hands its outputs over: on a GPU, torch's current stream (DALI 2.4's
-        `Pipeline.run(cuda_stream, /)` returns the outputs on it, with its default executor),
-        so the stream, not the host, waits for DALI's work and the copies queue behind it."""
+        """On a GPU torch's current stream, on which DALI 2.4's `Pipeline.run(cuda_stream, /)`
+        hands its outputs over: the stream, not the host, waits for DALI's work."""
         device = self.spec.form.device
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def to_batch(self, images, labels, rows, reasons, stream, size: int) -> DeviceBatch:
-        """DALI's outputs copied into tensors torch owns (DALI reuses its buffers; on a GPU
-        the copy is queued on `stream`, torch's, without a host wait), the placeholders
-        dropped. The rows and reasons are CPU outputs, ready on the host when run() returns."""
+        """DALI's outputs copied into tensors torch owns (DALI reuses its buffers), queued on
+        `stream`, the placeholders dropped (rows and reasons are on the host already)."""
         form, count = self.spec.form, len(rows)
         shape = (count, size, size, 3) if self.layout() == "HWC" else (count, 3, size, size)
         pixels = torch.empty(shape, dtype=torch.float32, device=form.device)
@@ -195,14 +185,13 @@ class DaliPipeline:
             self.pipe.run()
         except StopIteration:
             self.pipe.reset()
-            self.next = (epoch + 1 if self.spec.batches.shuffle else 0, 0)
+            self.next = (self.pass_of(epoch + 1), 0)
             return
         raise RuntimeError(f"the DALI pipeline delivered more than {self.steps_per_epoch()} "
                            f"steps in epoch {epoch + 1}")
 
     def close(self, at_once: bool = False) -> None:
-        """Stops the reader processes (DALI's pool ends them itself, at once) and frees DALI's
-        memory."""
+        """Stops the reader processes (DALI's pool ends them at once) and frees DALI's memory."""
         if self.pipe is not None:
             del self.pipe
             self.pipe = None
@@ -210,8 +199,7 @@ class DaliPipeline:
 
 
 def what_failed(error: RuntimeError) -> str:
-    """DALI's message repeats 'Critical error in pipeline:' and the pipeline's definition
-    before the line that says what went wrong."""
+    """The line of DALI's message that says what went wrong, after its preamble."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     detail = next((line for line in lines if line.startswith("Failed to decode")), None)
     return (detail or first_line(error))[:200]

@@ -1,13 +1,10 @@
-"""What DALI's reader processes run: a batch's bytes and, for each image, the crop box, flip and
-auto-augment ops of our own recipe, so DALI decodes exactly the region the Pillow path would
-crop and applies the same ops with the same magnitudes.
+"""What DALI's reader processes run: a batch's bytes and each image's crop box, flip and
+auto-augment ops from our recipe, so DALI decodes the region the Pillow path would crop.
 
-The callable is picklable and imports no torch (DALI spawns its processes and imports this
-module there). It reads through app/data/samples.py, so every catalog entry (local, S3,
-cache, shards) works. A bad file never reaches DALI's decoder, which would fail the whole
-batch: what the header tells is checked first, and a bad or missing image travels as a tiny
-placeholder with its reason, so the pipeline drops it and reports it like the Pillow path
-does.
+Picklable, and imports no torch (DALI spawns the processes and imports this module there).
+Reads through app/data/samples.py, so every catalog layout works. A bad file never reaches
+DALI's decoder, which would fail the whole batch: the header is checked first, and a bad or
+missing image travels as a tiny placeholder with its reason, dropped and reported downstream.
 """
 
 from __future__ import annotations
@@ -41,12 +38,9 @@ def placeholder() -> bytes:
 
 
 def prepare(data: bytes) -> tuple[int, int, bytes]:
-    """(height, width, bytes for DALI) from what the header says, or BadImage.
-
-    Truncated files are caught here (open_complete): DALI may fill the missing part with grey
-    instead of failing. JPEG and PNG in RGB or grey go to DALI as they are; anything else
-    (CMYK JPEGs, palette or alpha PNGs, other formats under a .JPEG name) is decoded by Pillow,
-    exactly as the Pillow path does, and handed over as a lossless PNG."""
+    """(height, width, bytes for DALI), or BadImage (truncated files too: open_complete). JPEG
+    and PNG in RGB or grey go as they are; anything else (CMYK, palette or alpha, other formats
+    under a .JPEG name) is decoded by Pillow, as on the Pillow path, into a lossless PNG."""
     image = open_complete(data)
     if (image.format, image.mode) not in NATIVE:
         buffer = io.BytesIO()
@@ -56,9 +50,8 @@ def prepare(data: bytes) -> tuple[int, int, bytes]:
 
 
 class BatchSource:
-    """DALI external_source callback (batch mode): batch `info.iteration` of DALI's epoch
-    `info.epoch_idx`, which is our epoch `first_epoch + epoch_idx`; the first one starts at
-    `first_step` (a run resumed mid-epoch). Outputs per image: as `sample` returns them."""
+    """DALI external_source callback (batch mode): DALI's epoch `info.epoch_idx` is our epoch
+    `first_epoch + epoch_idx`; the first starts at `first_step` (a run resumed mid-epoch)."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches, first_epoch: int, first_step: int):
@@ -76,7 +69,7 @@ class BatchSource:
         die_with_parent()
         ignore_stop_signals()
 
-    @functools.lru_cache(maxsize=2)  # each call is pure; the permutation costs ~20 ms
+    @functools.lru_cache(maxsize=2)  # pure: a permutation per epoch, not per batch
     def order(self, epoch: int) -> np.ndarray:
         return self.batches.order(epoch)
 

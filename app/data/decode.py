@@ -1,8 +1,5 @@
-"""Image bytes -> an RGB Pillow image (the CPU decoder).
-
-Pillow handles ImageNet's quirks: CMYK JPEGs (converted, Adobe inversion included), grayscale
-JPEGs and the PNG stored under a .JPEG name (Pillow sniffs the content, not the name).
-"""
+"""Image bytes -> an RGB Pillow image (the CPU decoder). Pillow handles ImageNet's quirks: CMYK
+JPEGs (Adobe inversion included), grayscale JPEGs, the PNG under a .JPEG name."""
 
 from __future__ import annotations
 
@@ -38,9 +35,8 @@ TRUNCATED = {"JPEG": "not decodable: truncated (no end of image after the last s
 
 
 def open_complete(data: bytes) -> Image.Image:
-    """open_image, and the file's end checked: a truncated file is refused here, from the
-    bytes alone, because the GPU decoders (DALI's, nvJPEG) may fill its missing part with grey
-    instead of failing, as Pillow does when it decodes it."""
+    """open_image, and a truncated file refused from its bytes alone: the GPU decoders may
+    fill its missing part with grey instead of failing as Pillow does."""
     image = open_image(data)
     if image.format in TRUNCATED and not ends_whole(image, data):
         raise BadImage(TRUNCATED[image.format])
@@ -48,9 +44,8 @@ def open_complete(data: bytes) -> Image.Image:
 
 
 def ends_whole(image: Image.Image, data: bytes) -> bool:
-    """Whether the bytes end as a whole file of the image's format: a JPEG's (or MPO's) end of
-    image marker after its last scan, a PNG's IEND chunk. A file cut short does not; a whole
-    one whose end marker alone is damaged does not either, though Pillow decodes it."""
+    """A JPEG's (or MPO's) end of image marker after its last scan, a PNG's IEND chunk (false
+    too for a whole file whose end marker alone is damaged, which Pillow decodes)."""
     if image.format in ("JPEG", "MPO"):
         return JPEG_END in data[data.rfind(JPEG_SCAN):]
     if image.format == "PNG":

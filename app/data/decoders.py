@@ -1,9 +1,8 @@
 """Input pipelines by name (`data.decoder`): adding a decoder is one entry here.
 
-Implementations are imported only when chosen: a machine without a decoder's package (DALI)
-can run the others. `auto` on a GPU is DALI when it imports, else torchvision's nvJPEG (in
-every torchvision with CUDA: nothing to install); on a CPU it is Pillow: there the decoders are
-about as fast (docs/benchmarks.md), and Pillow starts faster and decodes in the loader
+Implementations are imported only when chosen: a machine without DALI runs the others. `auto`
+on a GPU is DALI when it imports, else torchvision's nvJPEG (nothing to install); on a CPU,
+Pillow: about as fast there (docs/benchmarks.md), it starts faster and decodes in the loader
 processes rather than in the training process.
 """
 

@@ -1,9 +1,8 @@
 """Host batches -> the training device: the one place where pixels are moved and normalised.
 
-Loaders ship uint8 pixels (4x less data through queues and over PCIe than float32), stacked
-NHWC on the host; on the device a permute makes them NCHW with channels_last strides without a
-copy, and the single dtype conversion writes the memory format the model wants. The mean and
-std live on the device from the start, so a step costs no host-to-device copy but the batch.
+Loaders ship uint8 NHWC pixels (4x less data than float32); on the device a permute makes them
+NCHW with channels_last strides without a copy, and the one dtype conversion writes the model's
+memory format. Mean and std live on the device, so a step copies nothing but the batch.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from app.data.pipeline import InputFormat
 
 def pixel_statistics(mean: tuple[float, ...], std: tuple[float, ...], dtype: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and std for pixels in [0, 255] (the statistics are for [0, 1]), shaped (3, 1, 1):
-    `(pixels - mean) / std` is the normalisation, in `dtype`, that every consumer of the
-    model's input computes alike (training, evaluation, predict)."""
+    """Mean and std for pixels in [0, 255], shaped (3, 1, 1), in `dtype`: the normalisation
+    training, evaluation and predict share."""
     def scaled(values: tuple[float, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).mul(255.0).view(3, 1, 1)
     return scaled(mean), scaled(std)

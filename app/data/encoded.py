@@ -1,12 +1,11 @@
 """What the nvJPEG pipeline's loader processes hand over: a batch's JPEG bytes, undecoded, with
-each image's plan from the recipe, so the training process decodes the whole batch in one call
-on its device (app/data/nvjpeg_pipeline.py). Reading, the read-ahead and the order of batches
-are the Pillow pipeline's (ImageDataset, ReadAhead); only what is made of each blob differs.
+each image's plan, so the training process decodes the batch in one call on its device
+(app/data/nvjpeg_pipeline.py). Reading and batch order are the Pillow pipeline's.
 
-Bytes the device decoder must not see go the Pillow path here, in the loader process: a file
-that does not end whole (cut short, which a GPU decoder may fill with grey instead of failing)
-and an image nvJPEG does not decode as Pillow does (CMYK and other modes, a PNG under a .JPEG
-name), so their pixels, and the decision to skip them, are exactly the Pillow path's.
+Bytes the device decoder must not see take the Pillow path here: a file that does not end whole
+(a GPU decoder may fill it with grey instead of failing) and an image nvJPEG decodes unlike
+Pillow (CMYK and other modes, a PNG under a .JPEG name), so their pixels and skips are exactly
+the Pillow path's.
 """
 
 from __future__ import annotations

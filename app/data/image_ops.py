@@ -1,13 +1,10 @@
-"""Auto-augment's ops, each as torchvision's functional op (v2: a PIL image, or a uint8
-(3, H, W) tensor on any device), called as torchvision's auto-augment classes call them
-(bilinear, fill 0). The Pillow path applies them to PIL images in its loader processes, the
-nvJPEG path to tensors on the training device (app/data/nvjpeg_pipeline.py).
+"""Auto-augment's ops as torchvision's functional ops (v2: a PIL image, or a uint8 (3, H, W)
+tensor on any device), called as its auto-augment classes call them (bilinear, fill 0): the
+Pillow path applies them in its loader processes, the nvJPEG path on the training device.
 
-Where torchvision's tensor kernels compute something other than Pillow's code (shear, rotate,
-Color, Contrast, AutoContrast, Sharpness: each op's docstring says how), the tensor side
-computes what Pillow does, so both paths give the same pixels (tests/test_nvjpeg.py). On a GPU
-nothing here makes a tensor from host values (a copy the host would wait for): Python scalars
-instead, so the ops never stall the training loop.
+Where torchvision's tensor kernels differ from Pillow's code, the tensor side computes what
+Pillow does, so both paths give the same pixels (tests/test_nvjpeg.py). On a GPU nothing here
+makes a tensor from host values (a copy the host would wait for): Python scalars instead.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ Picture = TypeVar("Picture", Image.Image, torch.Tensor)
 
 @functools.cache
 def tv():
-    """torchvision's v2 functional ops, imported at the first op: importing torchvision pulls in
-    torch._dynamo, about 3 s of CPU in every Pillow loader process, most of which (recipes
-    without auto-augment, the tests) never apply an op."""
+    """torchvision's v2 functional ops, imported at the first op: torchvision pulls in
+    torch._dynamo, seconds of CPU in every Pillow loader process, most of which never apply one."""
     from torchvision.transforms.v2 import functional  # noqa: PLC0415
     return functional
 
@@ -40,8 +36,7 @@ def bilinear():
 
 
 def shear(image: Picture, factor: float, axis: int) -> Picture:
-    """torchvision takes shear as an angle; the magnitude is the factor (its tangent). The
-    origin is the top-left corner, as in the AutoAugment paper's code."""
+    """The magnitude is the factor (the angle's tangent), the origin the top-left corner."""
     angles = [0.0, 0.0]
     angles[axis] = math.degrees(math.atan(factor))
     if isinstance(image, torch.Tensor):
@@ -54,8 +49,7 @@ def shear(image: Picture, factor: float, axis: int) -> Picture:
 
 
 def shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
-    """A (3, H, W) tensor moved by whole pixels on black: slices, no sampling (torchvision's
-    tensor affine would also copy its matrix from the host, a wait for the device)."""
+    """A (3, H, W) tensor moved by whole pixels on black: slices, no matrix from the host."""
     _, height, width = image.shape
     out = torch.zeros_like(image)
     if abs(dx) < width and abs(dy) < height:
@@ -65,8 +59,7 @@ def shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
 
 
 def rotate(image: Picture, degrees: float) -> Picture:
-    """Counter-clockwise about the image's centre (Pillow's Image.rotate, which torchvision
-    calls for a PIL image)."""
+    """Counter-clockwise about the image's centre, as Pillow's Image.rotate."""
     if not isinstance(image, torch.Tensor):
         return tv().rotate(image, degrees, interpolation=bilinear())
     _, height, width = image.shape
@@ -80,9 +73,8 @@ def rotate(image: Picture, degrees: float) -> Picture:
 def pil_affine(image: torch.Tensor, matrix: tuple[float, ...]) -> torch.Tensor:
     """Pillow's bilinear affine transform on a uint8 (3, H, W) tensor: `matrix` (a, b, c, d, e,
     f) maps each output pixel's centre (x, y) to the input point (a x + b y + c, d x + e y + f);
-    a point outside the image gives 0, one inside blends its neighbours (clamped to the image)
-    in float64 and truncates, as Pillow's C code does (torchvision's tensor kernel blends the
-    fill into the edge pixels and rounds)."""
+    outside the image 0, inside its neighbours (clamped) blended in float64 and truncated, as
+    Pillow's C code does (torchvision's kernel blends the fill into the edges and rounds)."""
     _, height, width = image.shape
     a, b, c, d, e, f = matrix
     ys = torch.arange(height, dtype=torch.float64, device=image.device).add_(0.5).view(-1, 1)
@@ -103,10 +95,9 @@ def pil_affine(image: torch.Tensor, matrix: tuple[float, ...]) -> torch.Tensor:
 
 
 def translate(image: Picture, pixels: float, axis: int) -> Picture:
-    """What F.affine(image, translate=int(pixels)) gives. On a PIL image without its per-pixel
-    bilinear transform: a whole-pixel shift samples every output pixel exactly on an input
-    pixel, so it is a shifted copy on black (torchvision's default fill). Measured at 224 px:
-    2.1 ms for F.affine, ~0.1 ms for the copy; bit-identical (tests/test_auto_augment.py)."""
+    """What F.affine(image, translate=int(pixels)) gives, as a shifted copy on black: a
+    whole-pixel shift samples every output pixel on an input pixel, so the copy is
+    bit-identical and far cheaper than the bilinear transform (tests/test_auto_augment.py)."""
     shift = [0, 0]
     shift[axis] = int(pixels)
     if isinstance(image, torch.Tensor):
@@ -117,17 +108,14 @@ def translate(image: Picture, pixels: float, axis: int) -> Picture:
 
 
 def luma(image: torch.Tensor) -> torch.Tensor:
-    """Pillow's RGB -> L of a uint8 (3, H, W) tensor: (1, H, W) int32, its weights in 16-bit
-    fixed point, rounded. (Python scalars throughout: a tensor made from host values would
-    be a copy the host waits for.)"""
+    """Pillow's RGB -> L of a uint8 (3, H, W) tensor: (1, H, W) int32, 16-bit fixed point."""
     red, green, blue = image.int().split(1)
     return torch.bitwise_right_shift(red * 19595 + green * 38470 + blue * 7471 + 32768, 16)
 
 
 def blend(degenerate: torch.Tensor, image: torch.Tensor, offset: float) -> torch.Tensor:
     """Pillow's Image.blend(degenerate, image, 1 + offset) (ImageEnhance): its C loop in
-    float32 from integers, clipped and truncated. The factor is rounded to float32 here, as
-    Pillow's C takes it; torch computes a float32 tensor times a scalar in float32."""
+    float32, clipped and truncated, the factor rounded to float32 as Pillow's C takes it."""
     factor = float(np.float32(1.0 + offset))
     out = degenerate.float() + (image.int() - degenerate).float() * factor
     return out.clamp_(0, 255).to(torch.uint8)
@@ -149,9 +137,8 @@ def contrast(image: Picture, offset: float) -> Picture:
 def sharpness(image: Picture, offset: float) -> Picture:
     """Away from ImageFilter.SMOOTH (3x3: 1s around a 5, over 13; rounded, the 1-pixel border
     kept). On a tensor in integers: a float convolution may run in TF32 on a GPU, and
-    torchvision's tensor kernel copies its 3x3 kernel from the host, a wait for the device.
-    The sum over 13 is never within 1/26 of a half, so Pillow's float32 rounding and this exact
-    one agree."""
+    torchvision's kernel comes from the host. The sum over 13 is never within 1/26 of a half,
+    so Pillow's float32 rounding and this exact one agree."""
     if not isinstance(image, torch.Tensor):
         return tv().adjust_sharpness(image, 1.0 + offset)
     _, height, width = image.shape
@@ -168,13 +155,12 @@ def sharpness(image: Picture, offset: float) -> Picture:
 
 def autocontrast(image: Picture) -> Picture:
     """Each channel stretched from its lowest to its highest value by Pillow's lookup table
-    (x * scale + offset in float64, truncated); a flat one left as is."""
+    (float64, truncated); a flat one left as is."""
     if not isinstance(image, torch.Tensor):
         return tv().autocontrast(image)
     low = image.amin(dim=(1, 2), keepdim=True).double()
     high = image.amax(dim=(1, 2), keepdim=True).double()
-    # tensor / tensor: an IEEE division, as Python's (torch computes scalar / tensor as a
-    # reciprocal times the scalar, which rounds twice)
+    # tensor / tensor: one IEEE division (torch's scalar / tensor rounds twice)
     scale = torch.full_like(low, 255.0) / (high - low).clamp(min=1)
     stretched = (image.double() * scale + -low * scale).trunc_().clamp_(0, 255)
     return torch.where(high <= low, image, stretched.to(torch.uint8))

@@ -1,12 +1,10 @@
 """The loader processes of a DataLoader: how they start, that they die with their worker, and
 how the worker tells of one that died.
 
-They are forked from their worker (`start_method`): as pytorch/examples' loaders, they start in
-milliseconds with the worker's imports and its table, nothing pickled, side by side. Spawned
-only where the worker runs threads a fork would break (app/runtime/fork_safety.py). Each dies
-with its worker (`loader_init`). A dead one is noticed within LIVENESS_POLL_S of a wait for a
-batch (`data_loader`), and told in one line naming it and how it ended (`dead_loader`),
-whichever error the DataLoader raised for it.
+Forked from their worker (`start_method`), they start in milliseconds with its imports and
+table, nothing pickled; spawned only where the worker runs threads a fork would break
+(app/runtime/fork_safety.py). A dead one is noticed within LIVENESS_POLL_S of a wait for a
+batch and told in one line naming it and how it ended, whatever error the DataLoader raised.
 """
 
 from __future__ import annotations
@@ -28,18 +26,16 @@ from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
 log = logging.getLogger("imagenet_dp")
-# How often a wait for a batch checks that the loader processes live. torch's SIGCHLD handler
-# tells sooner, but only the main thread, and not where its error lands in a __del__ or an
-# at-fork handler (seen: filelock's); torch's own check comes every 5 s.
+# How often a wait for a batch checks that the loader processes live: torch's SIGCHLD handler
+# tells only the main thread, and not where its error lands in a __del__ or an at-fork handler
+# (filelock's); torch's own check comes every 5 s.
 LIVENESS_POLL_S = 0.5
-# A killed loader process ends over a few milliseconds, thread by thread: the DataLoader may
-# already have raised, or /proc show it a zombie, before its end can be read (waitid). How long
-# a failing worker looks for the loader that died, and for how it ended, before it says less.
+# How long a failing worker looks for the loader that died and how it ended: a killed one ends
+# thread by thread, so the DataLoader may raise before its end can be read (waitid).
 DEATH_READABLE_S = 2.0
 
 
 def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
-    """A DataLoader over `workers` persistent processes, as the module's docstring says."""
     loader_type = private_api.loader_polling_every(LIVENESS_POLL_S)
     return loader_type(dataset, num_workers=workers, persistent_workers=workers > 0,
                        multiprocessing_context=start_method() if workers else None,
@@ -47,9 +43,7 @@ def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
 
 
 def start_method() -> str:
-    """Fork (the table's paths are fixed-width bytes, so its pages stay shared), unless a fork
-    is known to break a thread this process runs: then each process imports and unpickles its
-    dataset, one after another."""
+    """Fork (the table's pages stay shared), unless a fork breaks a thread this process runs."""
     broken = threads_fork_breaks()
     if broken:
         log.info("loader processes are spawned, not forked: this process runs %s threads",
@@ -59,17 +53,15 @@ def start_method() -> str:
 
 
 def loader_init(index: int) -> None:
-    """First thing in each loader process (DataLoader's worker_init_fn): it dies with its
-    worker at once (torch's own check notices a dead parent only within 5 s), and leaves the
-    stop signals to it."""
+    """DataLoader's worker_init_fn: die with the worker at once (torch's check takes up to
+    5 s), and leave the stop signals to it."""
     die_with_parent()
     ignore_stop_signals()
     moment("loader:start")
 
 
-# This process's loader processes by pid; how those that died ended (os.waitid's answer, read
-# as each dies: whoever reaps it later, its multiprocessing object may never learn it); and
-# those this process killed itself (kill_processes), whose deaths are no failure to report.
+# This process's loader processes by pid; how those that died ended (read as each dies: its
+# multiprocessing object may never learn it); those it killed itself, whose deaths are no failure.
 _started: weakref.WeakValueDictionary[int, BaseProcess] = weakref.WeakValueDictionary()
 _ended: dict[int, os.waitid_result] = {}
 _killed: set[int] = set()
@@ -83,10 +75,9 @@ def remember_processes(loader: DataLoader) -> None:
 
 
 def record_deaths() -> None:
-    """A SIGCHLD handler in front of the DataLoader's (which raises its error wherever this
-    process is): it first notes how a loader process ended, without reaping it; and it keeps
-    from the DataLoader's the deaths this process caused (`kill_processes`), which it would
-    take for failures and raise in the middle of the failure being reported."""
+    """A SIGCHLD handler in front of the DataLoader's (which raises wherever this process is):
+    it notes how a loader process ended, without reaping it, and keeps from the DataLoader's
+    the deaths this process caused (`kill_processes`), which it would raise as failures."""
     previous = signal.getsignal(signal.SIGCHLD)
     if getattr(previous, "records_loader_deaths", False):
         return
@@ -107,22 +98,19 @@ def record_deaths() -> None:
 
 
 class LoaderProcessDied(RuntimeError):
-    """A loader process died while its batch was on its way (the pipe or the shared memory it
-    was handing over broke): the message says which process and how it ended."""
+    """A loader process died while its batch was on its way (its pipe or shared memory broke)."""
 
 
 def loader_death(error: BaseException) -> str | None:
-    """One line for the loader process's death behind `error` (the DataLoader's, from its
-    SIGCHLD handler or its wait, or ours, or one that carries either in its message); None:
-    none of this process's loader processes died (but for those it killed itself)."""
+    """One line for the loader process's death behind `error` (the DataLoader's, ours, or one
+    that carries either in its message); None: none died (but those this process killed)."""
     if isinstance(error, LoaderProcessDied):
         return str(error)
     told = private_api.loader_death_told(error)
     if told and told[0] not in _killed:
         return death_line(*told)
-    # Only an error that names a DataLoader worker waits for its death to be readable: any
-    # other (a lost peer) is told at once, before a launcher that saw the peer die ends this
-    # process too.
+    # Only an error naming a DataLoader worker waits for its death to be readable: any other
+    # (a lost peer) is told at once, before a launcher that saw the peer die ends this one.
     named = private_api.names_a_loader(error)
     return dead_loader(wait_s=DEATH_READABLE_S if named else 0.0)
 
@@ -150,8 +138,7 @@ def death_line(pid: int, code: int | None) -> str:
 
 
 def peek_ended(pid: int) -> os.waitid_result | None:
-    """How a child that died ended, read without reaping it (the SIGCHLD handler may not have
-    run yet: it runs between bytecodes of the main thread, which may be waiting elsewhere)."""
+    """How a dead child ended, without reaping it (the SIGCHLD handler may not have run yet)."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already (or not our child): its cause is lost
@@ -160,8 +147,7 @@ def peek_ended(pid: int) -> os.waitid_result | None:
 
 def dead_loader(wait_s: float = 0.0) -> str | None:
     """How the first of this process's loader processes that died ended (None: none died, but
-    for those it killed). Its exit code where multiprocessing has it; else it is gone from
-    /proc (reaped already). A death still under way is waited for up to `wait_s`."""
+    those it killed); a death still under way is waited for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         for process in list(_started.values()):
@@ -175,8 +161,7 @@ def dead_loader(wait_s: float = 0.0) -> str | None:
 
 
 def kill_processes(loader: DataLoader | None) -> None:
-    """End `loader`'s processes at once (after a failure). One that died already keeps its
-    own cause (its exit code is read first)."""
+    """End `loader`'s processes at once (after a failure); one already dead keeps its cause."""
     for process in private_api.loader_processes(loader):
         if process.exitcode is None:
             _killed.add(process.pid)

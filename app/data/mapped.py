@@ -1,18 +1,13 @@
-"""A dataset's table, for loader processes that are not forked: they map it from one file
-instead of receiving it through the pipe that starts them.
+"""A dataset's table for loader processes that are not forked: they map it from a file instead
+of receiving it through the pipe that starts them.
 
-Forked loader processes share the table's pages with their worker (app/data/pillow_pipeline.py).
-Processes that are spawned, DALI's reader processes always among them, receive their callable
-pickled; with the table's columns inside, that is ~85 MB per process at ImageNet's 1.28M
-training images, written into each process's pipe one process after another, and a process
-killed before it has read it leaves its parent blocked in that write for good (Python 3.11
-keeps the pipe's other end open in the parent). Pickled through `mapped`, a column becomes the
-name of a file written once per process that owns it, which every reader maps (read-only,
-shared through the page cache): the pipe carries a few hundred bytes.
-
-The files live in the system's temporary folder under imagenet-dp-tables/, named after the
-process that wrote them; each is deleted when that process ends, and files of processes that
-died without deleting theirs are deleted by the next process that writes one.
+Forked loader processes share the table's pages with their worker. Spawned ones (DALI's reader
+processes always) get their callable pickled: with the columns inside, tens of MB written into
+each process's pipe in turn, and a process killed before reading them leaves its parent blocked
+in that write for good (Python 3.11 keeps the pipe's other end open in the parent). Pickled
+through `mapped`, a column becomes the name of a file, written once by the process that owns it
+and mapped read-only by every reader. The files (the temporary folder's imagenet-dp-tables/,
+named after their writer) go when their writer ends, or, if it died, with the next writer.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from app.runtime.liveness import is_alive
 
@@ -53,6 +49,25 @@ def mapped(column: np.ndarray) -> np.ndarray | Mapped:
     return Mapped(known[1])
 
 
+class Rows:
+    """A split's image paths and labels by row, pickled through `mapped`."""
+
+    def __init__(self, frame: pd.DataFrame):
+        # Fixed-width bytes, not Python strings: forked workers then share these pages
+        # instead of copying them as reference counts change.
+        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
+        self.labels = frame.label.to_numpy()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "paths": mapped(self.paths), "labels": mapped(self.labels)}
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def name(self, row: int) -> str:
+        return self.paths[row].decode("utf-8")
+
+
 def folder() -> Path:
     path = Path(tempfile.gettempdir()) / "imagenet-dp-tables"
     path.mkdir(exist_ok=True)
@@ -69,7 +84,7 @@ def write(column: np.ndarray) -> str:
 
 
 def remove_own() -> None:
-    """At exit (a process forked from the owner inherits the list, not the files)."""
+    """At exit; a process forked from the owner inherits the list, not the files."""
     for _, path in _written.values():
         if Path(path).name.startswith(f"{os.getpid()}-"):
             with contextlib.suppress(OSError):
@@ -78,7 +93,6 @@ def remove_own() -> None:
 
 
 def remove_orphans() -> None:
-    """Files of processes that are gone (killed before their exit handlers ran)."""
     for path in folder().glob("*.npy"):
         pid = path.name.split("-", 1)[0]
         if pid.isdigit() and not is_alive(int(pid)):

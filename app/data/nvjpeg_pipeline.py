@@ -1,21 +1,17 @@
 """The nvJPEG input pipeline: nothing to install beyond torch and torchvision. Loader processes
-read each batch's bytes and plan every image (app/data/encoded.py); the training process
-decodes the batch's JPEGs in one call of torchvision's `decode_jpeg(list, device=...)` (nvJPEG
-on a GPU, libjpeg-turbo on a CPU: the same code, which is how the tests cover it), then crops,
-resizes (antialiased bilinear, Pillow's filter), flips and auto-augments each image there with
-torchvision's functional ops, from the same plan as the other decoders.
+read each batch's bytes and plan every image (app/data/encoded.py); the training process decodes
+the JPEGs in one `decode_jpeg(list, device=...)` call (nvJPEG on a GPU, libjpeg-turbo on a CPU,
+which is how the tests cover it), then crops, resizes, flips and auto-augments each image there.
 
-Bad data never ends a run: should nvJPEG refuse a batch (it fails it whole), each image is
-decoded alone, and one it still refuses is decoded by Pillow from the same bytes and plan, or
-skipped where Pillow refuses it too. A failure of the machine rather than the image takes the
-same, slow way: it is named in one warning.
+Bad data never ends a run: should nvJPEG fail a batch (it fails it whole), each image is decoded
+alone, and one it still refuses is decoded by Pillow, or skipped. A failure of the machine
+rather than the image takes the same slow way, named in one warning.
 
-On a GPU the decode runs with a stream of its own as the current stream, and the training
-stream waits for it (an event, no host wait): torchvision takes its outputs' memory from the
-current stream's pool and writes them from its decoder's stream without ordering the two, so
-that pool holds only decoded images, each marked as used by the training stream, and a block
-is handed out again only once the work that read it is done. The host does wait for the
-decode itself (torchvision synchronises its decoder's stream): that counts as data wait.
+On a GPU the decode runs on a stream of its own, which the training stream waits for (an
+event, no host wait): torchvision takes its outputs' memory from the current stream's pool and
+writes them from its decoder's stream without ordering the two, so that pool holds only decoded
+images, each marked as used by the training stream, and a block is reused only once the work
+that read it is done. The host waits for the decode (torchvision syncs its stream): data wait.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ from app.runtime.errors import first_line
 log = logging.getLogger("imagenet_dp")
 
 
-# A decoder failure that is the machine's, not the image's: a marker of its message and the
-# cause in words
+# A decoder failure that is the machine's, not the image's: (a marker of its message, cause)
 NOT_THE_IMAGE = (("not compiled with nvJPEG", "this torchvision was built without nvJPEG"),
                  ("out of memory", "the GPU is out of memory"),
                  ("Failed to initialize nvjpeg", "nvJPEG did not start"),
@@ -54,8 +49,7 @@ Trouble = Callable[[RuntimeError, str], None]  # (the failure, what is done inst
 def decode_jpegs(jpegs: list[torch.Tensor], device: torch.device,
                  trouble: Trouble = lambda error, instead: None) -> list[torch.Tensor | None]:
     """(3, H, W) uint8 images on `device`, None where the decoder refused one: the batch in
-    one call, and image by image only when that call fails; `trouble` hears of each
-    failure."""
+    one call, image by image only when that call fails; `trouble` hears of each failure."""
     if not jpegs:
         return []
     try:
@@ -82,7 +76,6 @@ def _decode(jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tenso
 
 
 def not_the_image(error: RuntimeError) -> str | None:
-    """The cause in words when a decoder failure is the machine's, not the image's."""
     if isinstance(error, torch.OutOfMemoryError):
         return "the GPU is out of memory"
     return next((cause for marker, cause in NOT_THE_IMAGE if marker in str(error)), None)
@@ -108,8 +101,7 @@ class DeviceDecoder:
         self.warned: set[tuple[str, str]] = set()  # (cause, what is done instead)
 
     def __call__(self, batch: EncodedBatch) -> DeviceBatch:
-        """The batch's images in its order: the JPEGs decoded here, the images Pillow did in
-        the loader moved here; those nothing could decode dropped and reported."""
+        """The JPEGs decoded here and the loader's Pillow images, in the batch's order."""
         done = iter(batch.pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2))
         made = iter(self.decode(batch))
         images, kept, skipped = [], [], list(batch.skipped)
@@ -129,7 +121,6 @@ class DeviceDecoder:
                            labels.to(self.device, non_blocking=True), skipped)
 
     def decode(self, batch: EncodedBatch) -> list[torch.Tensor | Skipped]:
-        """Each JPEG decoded and its plan carried out, or why not."""
         jpegs = list(torch.split(batch.data, batch.lengths)) if batch.lengths else []
         out = []
         for jpeg, image, plan, path in zip(jpegs, self.decode_on_device(jpegs), batch.plans,
@@ -141,8 +132,7 @@ class DeviceDecoder:
         return out
 
     def decode_on_device(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """decode_jpegs, ordered before the training stream's work (see the module's
-        docstring)."""
+        """decode_jpegs, ordered before the training stream's work (the module's docstring)."""
         if self.stream is None:
             return decode_jpegs(jpegs, self.device, self.trouble)
         with torch.cuda.stream(self.stream):
@@ -155,9 +145,7 @@ class DeviceDecoder:
         return images
 
     def trouble(self, error: RuntimeError, instead: str) -> None:
-        """A failure of the machine, not of an image (every image would go the slow way): one
-        warning per cause and consequence. An image the decoder refuses is only logged where
-        Pillow decodes it (with_pillow)."""
+        """One warning per cause and consequence of a failure of the machine, not an image."""
         cause = not_the_image(error)
         if cause and (cause, instead) not in self.warned:
             self.warned.add((cause, instead))
@@ -167,7 +155,6 @@ class DeviceDecoder:
 
     def with_pillow(self, jpeg: torch.Tensor, plan: Plan, size: int, path: str
                     ) -> torch.Tensor | Skipped:
-        """What the Pillow path makes of an image the device decoder refused."""
         try:
             pixels = apply_plan_on_pil(to_rgb(open_image(jpeg.numpy().tobytes())), plan, size)
         except BadImage as error:
@@ -177,8 +164,7 @@ class DeviceDecoder:
 
 
 class NvjpegPipeline(PillowPipeline):
-    """The Pillow pipeline's loader processes and order, bytes instead of pixels out of them,
-    and the decode on the device."""
+    """The Pillow pipeline, bytes instead of pixels out of its loaders, decoded on the device."""
     dataset_type = EncodedDataset
     collate_fn = staticmethod(collate_encoded)
 

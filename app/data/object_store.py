@@ -1,12 +1,10 @@
-"""Image bytes from an object store (s3://, gs://, az://) through obstore, with the requests of
-the next batches in flight while the current batch decodes.
+"""Image bytes from an object store (s3://, gs://, az://) through obstore, the next batches'
+requests in flight while the current batch decodes.
 
-One GET per image on a pool of `concurrency` threads: obstore's calls release the GIL and
-run in Rust, so a GET costs a fraction of s3fs's client CPU (docs/benchmarks.md); the
-threads cost less CPU per GET than obstore's asyncio calls. The caller names the images it
-will ask for next (`upcoming`), and their GETs queue behind the current batch's, so a loader
-process never waits for a whole round trip between batches. Memory stays bounded: only the
-current and the announced images are kept, anything else is dropped.
+One GET per image on a pool of `concurrency` threads (obstore releases the GIL; threads cost
+less CPU per GET than its asyncio calls: docs/benchmarks.md). The images the caller will ask
+for next (`upcoming`) queue behind the current batch's, so a loader process never waits a whole
+round trip between batches; only the current and announced images are kept.
 """
 
 from __future__ import annotations
@@ -43,10 +41,8 @@ class ObjectStoreReads:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def read(self, paths: list[str], upcoming: list[str] = ()) -> dict[str, Outcome]:
-        """Outcomes of `paths` (relative to the root); `upcoming` are fetched meanwhile."""
         if self._pool is None:
-            # The client first, here, once: not by every pool thread at its first GET.
-            self.root.store  # noqa: B018
+            self.root.store  # noqa: B018 (the client, made once here, not by each thread)
             self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="object-store")
         wanted = set(paths) | set(upcoming)
         for path in [p for p in self._pending if p not in wanted]:

@@ -1,12 +1,9 @@
 """The Pillow input pipeline: DataLoader processes read, decode and augment on the CPU; the
 training process moves each batch to the device (app/data/device.py).
 
-Images that cannot be read or decoded are skipped and reported with the batch (path and
-reason), never dropped silently. Batches may therefore be shorter than the batch size.
-
-Each batch also names the rows its loader process will be handed next (ReadAhead), so the
-reader fetches them while this batch decodes; which images form a batch, their order and
-their crops stay those of ShardedBatches and the recipe.
+Images that cannot be read or decoded are skipped and reported with the batch, so a batch may
+be short. Each batch also names the rows its loader process gets next (ReadAhead), which the
+reader fetches while this batch decodes.
 """
 
 from __future__ import annotations
@@ -39,17 +36,15 @@ READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetch
 
 @dataclass
 class BatchRequest:
-    """What a loader process is asked for: one batch, and the rows of the batches it will be
-    asked for next (only a hint for the reader: never part of the batch)."""
+    """One batch for a loader process, and the rows it will be asked for next (a hint)."""
     items: list[tuple[int, int]]  # (row, augmentation seed), from ShardedBatches
     upcoming: list[int]
     epoch: int = 0  # picks the recipe's size (progressive resizing)
 
 
 class ReadAhead:
-    """Batch sampler around ShardedBatches that adds to every batch the rows of the next
-    `depth` batches the same loader process will get. DataLoader hands batch i to process
-    i % processes (round robin, in order; all batches to one when it has none)."""
+    """ShardedBatches, each batch with the rows of the next `depth` batches of the same loader
+    process (DataLoader hands batch i to process i % processes)."""
 
     def __init__(self, batches: ShardedBatches, processes: int, depth: int = READ_AHEAD_BATCHES):
         self.batches = batches
@@ -75,13 +70,11 @@ class ReadAhead:
 
 
 def apply_on_pil(image: Image.Image, recipe: Recipe, seed: int) -> torch.Tensor:
-    """Crop, resize (antialiased bilinear), flip and auto-augment an RGB image -> uint8 tensor
-    (S, S, 3)."""
+    """Crop, resize, flip and auto-augment an RGB image -> uint8 tensor (S, S, 3)."""
     return apply_plan_on_pil(image, recipe.plan(image.height, image.width, seed), recipe.size)
 
 
 def apply_plan_on_pil(image: Image.Image, plan: Plan, size: int) -> torch.Tensor:
-    """An image's plan, carried out by Pillow -> uint8 tensor (size, size, 3)."""
     top, left, h, w = plan.box
     out = image.resize((size, size), Image.Resampling.BILINEAR,
                        box=(left, top, left + w, top + h))
@@ -105,9 +98,8 @@ class HostBatch:
 
 
 class ImageDataset(Dataset):
-    """Indexed by (row, augmentation seed) pairs from ShardedBatches; DataLoader hands a whole
-    batch (a BatchRequest) to __getitems__, so its blobs are read concurrently, and the ones
-    of the next batches meanwhile."""
+    """Indexed by (row, augmentation seed); __getitems__ gets a whole BatchRequest, so its
+    blobs are read concurrently, and those of the next batches meanwhile."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches):
@@ -140,8 +132,7 @@ class ImageDataset(Dataset):
             return Skipped(path, str(error))
 
     def prepare(self, path: str, data: bytes, seed: int, recipe: Recipe):
-        """What this process hands over for the image: here its pixels, as the recipe wants
-        them; BadImage when the bytes are no usable image."""
+        """What this process hands over for the image (here its pixels), or BadImage."""
         return apply_on_pil(to_rgb(open_image(data)), recipe, seed)
 
 
@@ -159,15 +150,13 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  batches: ShardedBatches, workers: int, pin_memory: bool = False,
                  dataset_type: type[ImageDataset] = ImageDataset,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
-    """`dataset_type` and `collate_fn`: what the loader processes make of each image and
-    batch (decoded pixels here; app/data/encoded.py: bytes for a decoder on the device)."""
+    """`dataset_type` and `collate_fn`: what the loader processes make of images and batches."""
     return loaders.data_loader(dataset_type(root, frame, recipe, batches), workers,
                                batch_sampler=ReadAhead(batches, workers),
                                collate_fn=collate_fn, pin_memory=pin_memory)
 
 
 class PillowPipeline:
-    # what the loader processes hand over (subclasses: other work in them, the rest on the device)
     dataset_type: type[ImageDataset] = ImageDataset
     collate_fn = staticmethod(collate)
 
@@ -181,9 +170,8 @@ class PillowPipeline:
 
     def open(self, epoch: int, start_step: int = 0) -> None:
         """Start the loader processes now, with a pass that asks for nothing: they fork side by
-        side at the start of training, from a worker that has made no object-store request yet
-        (app/data/loader_processes.py), and no batch is decoded to be thrown away. Nothing else
-        to take in advance: torch's caching allocators grow in the first steps."""
+        side from a worker that has made no object-store request yet, and no batch is decoded
+        to be thrown away."""
         if self.loader is not None and self.loader.num_workers:
             self.loader.batch_sampler.empty_pass = True
             for _ in self.loader:  # forks the processes; the pass itself is empty
@@ -209,9 +197,8 @@ class PillowPipeline:
                 raise
             raise loaders.LoaderProcessDied(death) from error
         if failure is not None:
-            # Its loader processes end now: left to garbage collection they may not stop
-            # before the interpreter exits, whose join would then wait for them forever (they
-            # ignore SIGTERM: app/runtime/interrupts.py).
+            # Killed now: left to garbage collection they may outlive the interpreter's exit,
+            # whose join would wait for them forever (they ignore SIGTERM).
             self.close(at_once=True)
             raise failure
 
@@ -220,9 +207,8 @@ class PillowPipeline:
         return DeviceBatch(images, labels, batch.skipped)
 
     def close(self, at_once: bool = False) -> None:
-        """`at_once` (after a failure): the loader processes are killed rather than asked to
-        stop; asked, each is waited for up to 5 s, and one stuck handing over a batch that
-        nobody reads any more takes all of them (and then ignores SIGTERM)."""
+        """`at_once` (after a failure): kill the loader processes rather than ask them to stop
+        (each waited for up to 5 s; one stuck handing over a batch then ignores SIGTERM)."""
         if at_once:
             loaders.kill_processes(self.loader)
         self.loader = None  # its persistent worker processes shut down with it

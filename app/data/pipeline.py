@@ -1,18 +1,14 @@
 """The input-pipeline contract: what the trainer needs from whichever decoder feeds it.
 
-A pipeline is built once per split and worker. For an epoch (starting at a given step, so a
-resumed run continues mid-epoch) it yields batches that are already on the training device:
-normalised images in the model's dtype and memory format, labels, and the images it had to skip
-(never dropped silently). Which images form each batch and how each one is cropped and flipped
-come from ShardedBatches and the recipe's plan(), so every implementation yields the same
-batches for the same (seed, epoch).
+A pipeline is built once per split and worker. Per epoch (from a given step, so a resumed run
+continues mid-epoch) it yields batches already on the training device, with the images it had
+to skip (never dropped silently). Batch membership and each image's crop and flip come from
+ShardedBatches and the recipe's plan(), so every implementation yields the same batches for the
+same (seed, epoch).
 
-A pipeline is opened before the first training step (`open`): whatever it reserves for the
-whole run (DALI: its decoder's buffers on the GPU and in pinned host memory) is taken then, so a
-shortage ends the run at its start rather than at the first evaluation, an epoch in.
-
-Implementations, chosen by name with `data.decoder` (app/data/decoders.py): Pillow in a
-DataLoader (app/data/pillow_pipeline.py), NVIDIA DALI (app/data/dali_pipeline.py).
+`open` comes before the first training step and takes what the pipeline holds for the whole
+run (DALI: decoder buffers on the GPU and in pinned memory), so a shortage ends the run at its
+start rather than at the first evaluation.
 """
 
 from __future__ import annotations
@@ -66,14 +62,11 @@ class PipelineSpec:
 
 class InputPipeline(Protocol):
     def open(self, epoch: int, start_step: int = 0) -> None:
-        """Allocate now what the pipeline will need, ready to deliver `start_step` of `epoch`
-        first: the `epoch` call that asks for that position reuses it."""
+        """Allocate now, ready to deliver `start_step` of `epoch` first (`epoch` reuses it)."""
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]:
-        """The batches of `epoch` from step `start_step` on."""
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[DeviceBatch]: ...
 
     def steps_per_epoch(self) -> int: ...
 
     def close(self, at_once: bool = False) -> None:
-        """Stop background processes; the pipeline is not used afterwards. `at_once` (after a
-        failure): end them without waiting for them to stop by themselves."""
+        """Stop background processes for good; `at_once` (after a failure): without waiting."""

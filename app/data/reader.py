@@ -1,13 +1,10 @@
 """Bytes of many images at once from the dataset root.
 
-On object stores each GET takes tens of milliseconds, so the reader keeps `concurrency`
-requests in flight: throughput is concurrency / latency, not 1 / latency. Object stores are
-read through obstore by default (app/data/object_store.py: little client CPU per GET, and the
-next batches' requests in flight while the current one decodes); `reader = "s3fs"` and every
-other filesystem read through fsspec (s3fs's batched async `cat`, one batch at a time).
-Transient failures (5xx, throttling, dropped connections, timeouts) are the clients' to retry
-(app/catalog/retry.py); a missing or unreadable blob becomes a reason string, and the image is
-skipped and counted like a bad image.
+A GET takes tens of milliseconds, so `concurrency` requests stay in flight: throughput is
+concurrency / latency. Object stores are read through obstore by default
+(app/data/object_store.py); `reader = "s3fs"` and other filesystems through fsspec's batched
+`cat`, a batch at a time. Transient failures are the clients' to retry (app/catalog/retry.py);
+a missing or unreadable blob becomes a reason, and its image is skipped like a bad image.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ class BlobReader:
 
     def read_many(self, paths: list[str], upcoming: Sequence[str] = ()
                   ) -> list[Outcome]:
-        """For each path (relative to the root): (bytes, "") or (None, reason). `upcoming`:
-        paths likely asked for next, which readers that can may start fetching now."""
+        """(bytes, "") or (None, reason) per path; `upcoming`: paths likely asked for next."""
         results: dict[str, Outcome] = {}
         todo = []
         for path in paths:
@@ -55,8 +51,7 @@ class BlobReader:
 
 
 class FsspecReads:
-    """fsspec's batched `cat` (concurrent where the filesystem is asynchronous, as s3fs is), a
-    batch at a time: `upcoming` is not fetched ahead."""
+    """fsspec's batched `cat`, a batch at a time: `upcoming` is not fetched ahead."""
 
     def __init__(self, root: DatasetRoot, concurrency: int):
         self.root = root

@@ -3,8 +3,7 @@ validation resize and crop (torchvision's --train-crop-size, --val-resize-size, 
 
 The train size is a pure function of the epoch, so both pipelines, a resumed run and the
 compiled model agree on it without anyone keeping it. Plain Python: DALI's reader processes
-import this module.
-"""
+import this module."""
 
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ DEFAULT_CROP_FRACTION = 0.875  # torchvision's 224 of 256, FFCV's DEFAULT_CROP_R
 
 @dataclass(frozen=True)
 class TrainSizes:
-    """The train crop size of epoch e (counted from 0, as in FFCV's code): `start` up to
-    `start_epoch`, `end` from `end_epoch` on, in between linear and rounded to the nearest
-    multiple of 32. start == end is a fixed size. FFCV's ResNet-50 88-epoch config:
-    TrainSizes(160, 192, 65, 76)."""
+    """The train crop size of epoch e (from 0, as FFCV counts): `start` up to `start_epoch`,
+    `end` from `end_epoch` on, linear in between, rounded to a multiple of 32 (FFCV's ResNet-50
+    88-epoch config: TrainSizes(160, 192, 65, 76))."""
     start: int
     end: int
     start_epoch: int = 0
@@ -48,14 +46,12 @@ class TrainSizes:
 
 @dataclass(frozen=True)
 class Resolution:
-    """Every size a run uses."""
     train: TrainSizes
     val_crop: int
     val_resize: int
 
     @property
     def val_crop_fraction(self) -> float:
-        """The centre crop's share of the shorter side after the resize."""
         return self.val_crop / self.val_resize
 
     def describe(self, epochs: int) -> str:
@@ -72,9 +68,9 @@ class Resolution:
 def resolve(default: int, image_size: int = 0, train_crop: int = 0, val_resize: int = 0,
             val_crop: int = 0, progressive: tuple[int, int, int, int] = (0, 0, 0, 0)
             ) -> Resolution:
-    """The run's sizes from its flags (0: unset): `image_size` sets both crops, else the
-    dataset's `default`; the val resize defaults to the crop / 0.875 (256 for 224); a
-    progressive (start size, end size, start epoch, end epoch) replaces the train crop."""
+    """The run's sizes from its flags (0: unset): `image_size` (else `default`) sets both
+    crops, the val resize defaults to crop / 0.875, and `progressive` (start size, end size,
+    start epoch, end epoch) replaces the train crop."""
     crop = image_size or default
     start, end, start_epoch, end_epoch = progressive
     train = TrainSizes(start, end, start_epoch, end_epoch) if start else \

@@ -1,16 +1,14 @@
 """Which images each worker reads at each step.
 
 Step k of an epoch takes the k-th slice of `global_batch` images from a permutation seeded by
-(seed, epoch), and worker r takes the r-th contiguous part of that slice. So every image is seen
-once per epoch across all workers, N workers x batch b see exactly the images one worker with
-batch N*b would, and a run can restart at any step of any epoch with the same batches.
-Every image also carries its own augmentation seed, derived from (seed, epoch, index), so the
-crops do not depend on which process or worker decodes it.
+(seed, epoch), and worker r the r-th contiguous part of it: every image is seen once per epoch,
+N workers x batch b see what one worker with batch N*b would, and a run can restart at any step
+of any epoch with the same batches. Each image's augmentation seed comes from (seed, epoch,
+index), so its crops do not depend on which process decodes it.
 
-Repeated augmentation (torchvision's RASampler, `repetitions` > 1): an epoch keeps about the
-dataset's length but takes only 1/repetitions of its images, each `repetitions` times, every
-copy with its own augmentation seed (seed, epoch, index, copy). Within each global batch the
-copies are laid out so that splitting it among workers puts them on different workers.
+Repeated augmentation (torchvision's RASampler, `repetitions` > 1): an epoch takes
+1/repetitions of the images, each `repetitions` times with a seed of its own per copy, laid out
+so that splitting a global batch among workers puts the copies on different workers.
 """
 
 from __future__ import annotations
@@ -33,11 +31,10 @@ def mix_seed(*values: int) -> int:
 
 
 def spread_copies(batch: np.ndarray, repetitions: int) -> np.ndarray:
-    """Reorder one global batch of samples (`index * repetitions + copy`) copy by copy: all first
-    copies, then all second copies, ... so any split into `repetitions` or more equal contiguous
-    parts puts an image's copies on different workers, as torchvision's stride by world size
-    does, without depending on the world size (N workers x batch b still see one worker's
-    batch N*b in its order)."""
+    """One global batch of samples (`index * repetitions + copy`), all first copies, then all
+    second copies, ...: any split into `repetitions` or more equal contiguous parts puts an
+    image's copies on different workers (torchvision strides by world size, which would make
+    N workers x batch b differ from one worker's batch N*b)."""
     if repetitions == 1:
         return batch
     return batch[np.argsort(batch % repetitions, kind="stable")]
@@ -49,13 +46,12 @@ def split_evenly(items: np.ndarray, parts: int, part: int) -> np.ndarray:
 
 
 class ShardedBatches:
-    """Batch sampler (for DataLoader's `batch_sampler`) yielding [(index, aug_seed), ...].
+    """Batch sampler (DataLoader's `batch_sampler`) yielding [(index, aug_seed), ...].
 
-    Train: the last step may be short, and a worker's part of it even empty (the gradient sync
-    weights each worker by the images it had). Val (shuffle=False): each worker takes one
-    contiguous slice of the val set, so every image counts once (no padding duplicates). With
-    repetitions, an image whose copies straddle two steps, or fall in the last, short step, may
-    have two on one worker.
+    Train: the last step may be short, a worker's part of it even empty (the gradient sync
+    weights workers by their images). Val (shuffle=False): each worker takes one contiguous
+    slice, so every image counts once. With repetitions, an image whose copies straddle two
+    steps, or fall in the last, short step, may have two on one worker.
     """
 
     def __init__(self, num_items: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
@@ -73,7 +69,7 @@ class ShardedBatches:
         self.start_step = 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Select the epoch's permutation; `start_step` skips batches already trained on."""
+        """`start_step` skips batches already trained on."""
         self.epoch = epoch
         self.start_step = start_step
 
@@ -82,8 +78,7 @@ class ShardedBatches:
         return self.batch_size * self.world_size
 
     def images_per_epoch(self) -> int:
-        """Distinct images an epoch takes. Rounded down, as torchvision's RASampler trims its
-        epoch, so an epoch never has more steps than without repetitions."""
+        """Distinct images an epoch takes, rounded down as torchvision's RASampler trims."""
         return max(1, self.num_items // self.repetitions)
 
     def steps_per_epoch(self) -> int:
@@ -94,9 +89,8 @@ class ShardedBatches:
         return math.ceil(mine / self.batch_size)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """The epoch's samples (the selected epoch's by default), each `index * repetitions +
-        copy`: a permutation of all items, or with repetitions the first images of one, each
-        followed by its copies."""
+        """The epoch's samples (the selected epoch's by default), `index * repetitions + copy`:
+        with repetitions, the first images of a permutation, each followed by its copies."""
         if not self.shuffle:
             return np.arange(self.num_items)
         epoch = self.epoch if epoch is None else epoch
@@ -108,15 +102,14 @@ class ShardedBatches:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
 
     def augmentation_seed(self, epoch: int, index: int, copy: int) -> int:
-        # The first copy keeps the seed the image has without repetitions: such runs (and
-        # their checkpoints) crop exactly as before.
+        # the first copy keeps the seed of a run without repetitions
         if copy == 0:
             return mix_seed(self.seed, epoch, index)
         return mix_seed(self.seed, epoch, index, copy)
 
     def items(self, order: np.ndarray, epoch: int, step: int) -> list[tuple[int, int]]:
-        """This worker's (index, augmentation seed) pairs of one step, given the epoch's
-        order: a pure function, so a reader in another process computes the same batch."""
+        """This worker's (index, augmentation seed) pairs of one step: a pure function, so a
+        reader in another process computes the same batch."""
         if self.shuffle:
             batch = order[step * self.global_batch:(step + 1) * self.global_batch]
             mine = split_evenly(spread_copies(batch, self.repetitions), self.world_size,

@@ -1,6 +1,5 @@
-"""A split's samples by row: bytes and label, whatever the layout. Both decoders read through
-this: per-image layouts through BlobReader (one GET or file read per image), the shard layouts
-through ShardSamples (whole shards on local disk, samples by offset)."""
+"""A split's samples by row: bytes and label, whatever the layout. Every decoder reads through
+this: per-image layouts through BlobReader, the shard layouts through ShardSamples."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from typing import Protocol
 import pandas as pd
 
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
-from app.data.mapped import mapped
+from app.data.mapped import Rows
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.data.shard_reader import Sample, ShardSamples
@@ -26,24 +25,12 @@ class Samples(Protocol):
         for next; `epoch`: the epoch being read."""
 
 
-class FileSamples:
+class FileSamples(Rows):
     """One blob per image: the frame's paths, read by BlobReader."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame):
+        super().__init__(frame)
         self.reader = BlobReader(root)
-        # Fixed-width bytes, not Python strings: forked workers then share these pages
-        # instead of copying them as reference counts change.
-        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
-        self.labels = frame.label.to_numpy()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "paths": mapped(self.paths), "labels": mapped(self.labels)}
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def name(self, row: int) -> str:
-        return self.paths[row].decode("utf-8")
 
     def read(self, rows: list[int], upcoming: list[int] = (), epoch: int = 0) -> list[Sample]:
         blobs = self.reader.read_many([self.name(row) for row in rows],

@@ -1,14 +1,11 @@
 """Samples of the shard layouts, read by offset from the local copy of their shard.
 
-The first read of a shard in a process opens it through the machine's ShardStore (fetched
-whole and indexed there by whichever process asked first); every sample after that is one
-pread. Each read also makes sure the next window's shards are on their way: a background
-thread fetches those no other process is fetching already, then trims the cache to its bound,
-never evicting the previous, current or next window. So a rank seldom waits for a shard, and the
-machine fetches each one once however many ranks and loader processes read it.
-
-A sample whose shard has no image bytes for it is skipped like an unreadable image; a shard
-that cannot be fetched or is damaged ends the run with its ShardError (one line).
+A process's first read of a shard opens it through the machine's ShardStore (fetched whole and
+indexed by whichever process asked first); each sample after that is one pread. Each read also
+has a background thread fetch the next window's shards, then trim the cache, never evicting the
+previous, current or next window: a rank seldom waits, and the machine fetches each shard once.
+A sample without image bytes is skipped like an unreadable image; a shard that cannot be
+fetched or is damaged ends the run with its one-line ShardError.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import pandas as pd
 from app.catalog.shard_index import REDOWNLOAD, ShardError
 from app.catalog.shard_store import LocalShard, ShardStore
 from app.catalog.storage import DatasetRoot
-from app.data.mapped import mapped
+from app.data.mapped import Rows, mapped
 from app.data.windows import WindowedBatches
 from app.runtime.errors import UserError
 
@@ -33,14 +30,13 @@ STOP_WAIT_S = 60.0  # for the shard being fetched ahead when the process ends
 Sample = tuple[bytes | None, str, int]  # (bytes, "", label) or (None, why not, label)
 
 
-class ShardSamples:
+class ShardSamples(Rows):
     """Picklable: the open files and the prefetch thread belong to the process that reads."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, batches: WindowedBatches):
+        super().__init__(frame)
         self.store = ShardStore(root)
         self.batches = batches
-        self.paths = frame.path.str.encode("utf-8").to_numpy().astype("S")
-        self.labels = frame.label.to_numpy()
         self.shard_of = frame.shard.to_numpy()
         self.names = {int(s): self.name(int(batches.starts[s])).rsplit("#", 1)[0]
                       for s in range(batches.shard_count)
@@ -51,15 +47,8 @@ class ShardSamples:
         self._stopping: threading.Event | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_open": OrderedDict(), "_prefetch": None, "_prefetched": None,
-                "_stopping": None, "paths": mapped(self.paths), "labels": mapped(self.labels),
-                "shard_of": mapped(self.shard_of)}
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def name(self, row: int) -> str:
-        return self.paths[row].decode("utf-8")
+        return {**super().__getstate__(), "_open": OrderedDict(), "_prefetch": None,
+                "_prefetched": None, "_stopping": None, "shard_of": mapped(self.shard_of)}
 
     def read(self, rows: list[int], upcoming: list[int] = (), epoch: int = 0) -> list[Sample]:
         """`upcoming` is not needed: the next window is fetched ahead instead."""
@@ -69,8 +58,7 @@ class ShardSamples:
         return [self.sample(row) for row in rows]
 
     def open_all(self, shards: set[int]) -> None:
-        """The shards a batch needs that are not open here yet, fetched side by side (the
-        first batch of a window needs most of the window's shards)."""
+        """The shards a batch needs, fetched side by side (a window's first batch needs most)."""
         if len(shards) > 1:
             with ThreadPoolExecutor(min(len(shards), FETCHES_AT_ONCE)) as pool:
                 list(pool.map(lambda shard: self.store.open(self.names[shard]), shards))
@@ -131,9 +119,8 @@ class ShardSamples:
         keep = set(wanted) | {self.names[s] for w in around for s in w if s in self.names}
         if self._stopping is None:
             self._stopping = threading.Event()
-            # Joined before this process tears down: a loader process that exits while the
-            # thread is still inside native code (pyarrow, numpy) aborts ("terminate called
-            # without an active exception", seen in bench runs).
+            # Joined before this process tears down: one exiting while the thread is inside
+            # native code aborts ("terminate called without an active exception").
             Finalize(self, stop_prefetch, args=(self._stopping, self), exitpriority=10)
         self._prefetch = threading.Thread(target=self.fetch, args=(wanted, keep), daemon=True,
                                           name="shard-prefetch")

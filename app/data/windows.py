@@ -1,17 +1,11 @@
 """The order of a sharded dataset's samples (the wds and parquet layouts): a function of
 (seed, epoch) only, so everything ShardedBatches guarantees still holds.
 
-Per epoch a seeded permutation of the shards, cut into windows of W consecutive shards; within
-a window a seeded permutation of the window's samples; the windows one after another. Every
-sample is taken once per epoch. Step k is then the k-th global batch of that sequence and
-rank r takes its r-th contiguous part (ShardedBatches.items), so N workers x batch b see what
-one worker with batch N*b sees, a run resumes mid-epoch from its step count alone, and every
-rank of a machine reads the shards of the same window: the machine's shared cache fetches
-them once (app/catalog/shard_store.py) and a window ahead (app/data/shard_reader.py).
-
-W trades shuffle quality for disk: samples mix only within a window, and the cache holds
-three windows (the previous, the current and the next). Evaluation reads the shards in
-order, in windows too.
+Per epoch a seeded permutation of the shards, cut into windows of W consecutive shards, each
+window's samples permuted, the windows one after another. So every rank of a machine reads the
+same window's shards: the machine's cache fetches them once (app/catalog/shard_store.py) and a
+window ahead (app/data/shard_reader.py). W trades shuffle quality for disk: samples mix only
+within a window, and the cache holds three windows (the previous, the current and the next).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import numpy as np
 
 from app.data.sampler import ShardedBatches
 
-DEFAULT_WINDOW = 16  # shards: 3 windows of timm's ImageNet tars (~140 MB each) are ~7 GB
+DEFAULT_WINDOW = 16  # shards: 3 windows of timm's ImageNet tars are a few GB
 SHARD_ORDER = 0x5A4D  # tells the shard permutation's stream apart from the windows'
 
 
@@ -57,8 +51,7 @@ class WindowedBatches(ShardedBatches):
 
 def batches_for(frame, batch_size: int, window: int = DEFAULT_WINDOW, **options
                 ) -> ShardedBatches:
-    """The batches of a split: windows of shards where the frame's rows are shards' samples
-    (a `shard` column), else a plain permutation of the images."""
+    """Windows of shards where the frame's rows are shards' samples (a `shard` column)."""
     if "shard" in frame:
         return WindowedBatches(frame.shard.to_numpy(), batch_size, window=window, **options)
     return ShardedBatches(len(frame), batch_size, **options)

@@ -1,15 +1,12 @@
-"""Pluggable run logging: a small protocol, backends chosen by name, several at once.
+"""Pluggable run logging: a small protocol (base.py), backends chosen by name, several at once.
 
 Metric records are flat dicts. Keys used by the loop: `epoch`; per print interval `train/loss`,
 `train/lr`, `train/images_per_sec`, `progress/epoch_step(s)`, `progress/epoch_time_s`; per
 epoch `train/epoch_loss`, `val/top1`, `val/top5`, `val/loss`, `epoch/time_s`, `train/skipped`
-(with --model-ema also `val_ema/top1`, `val_ema/top5`, `val_ema/loss`).
-Only the primary process (rank 0) builds loggers; the others get a NullLogger. The protocol,
-the fan-out and RunInfo (what a logger is told about its run) live in app/loggers/base.py.
-
-For the Python API, loggers are also objects (objects.py: Console, Notebook, Jsonl,
-TensorBoard, Wandb, `logging_to`), started in the caller's thread, where the primary replica's
-records are relayed (relay.py); `history` turns a run's metrics.jsonl into its table of epochs.
+(with --model-ema also `val_ema/top1`, `val_ema/top5`, `val_ema/loss`). Only the primary
+process (rank 0) builds loggers; the others get a NullLogger. The Python API's loggers are
+objects (objects.py), started in the caller's thread, where the primary replica's records are
+relayed (relay.py); `history` turns a run's metrics.jsonl into its table of epochs.
 
 Imports only app.runtime and app.config: the loggers receive names and numbers, never the job.
 """
@@ -25,15 +22,13 @@ __all__ = ["LOGGERS", "Console", "Jsonl", "Logger", "Loggers", "Notebook", "Null
            "RunInfo", "TensorBoard", "Wandb", "build_loggers", "logging_to", "run_outputs"]
 
 
-# The loggers a user chooses with --loggers, started as the Python API starts its objects;
-# adding one is an entry here (and in the config's choices). Each backend's library is
-# imported only when it is chosen: the GPU machines may have no wandb or tensorboard.
+# --loggers' choices (adding one is an entry here and in the config's choices). A backend's
+# library is imported only when chosen: a machine may have no wandb or tensorboard.
 LOGGERS: dict[str, Callable[[RunInfo], Logger]] = {
     "console": Console().start, "tensorboard": TensorBoard().start, "wandb": Wandb().start}
 
 
 def build_loggers(run: RunInfo) -> Loggers:
-    """The outputs every run writes, then the loggers the config names."""
     return Loggers(run_outputs(run) + [LOGGERS[name](run) for name in run.settings.loggers])
 
 

@@ -1,7 +1,6 @@
-"""The logging protocol every backend follows, the logger that ignores everything (workers that
-are not the primary, and the base of backends that ignore some calls) and the fan-out to
-several backends. Backends import this module, never the package, so the package can import
-them without a cycle."""
+"""The logging protocol, the logger that ignores everything and the fan-out to several
+backends. Backends import this module, never the package, so the package imports them without
+a cycle."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from app.config import LoggingConfig
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What the loggers are told about a run when they start: names and numbers, never the
-    training job, so this layer knows nothing of the layers that use it."""
+    """What the loggers are told of a run: names and numbers, never the training job."""
     name: str
     run_id: str  # stable across resumes: a resumed run continues the same wandb run
     run_dir: Path
@@ -33,8 +31,6 @@ class Logger(Protocol):
 
 
 class NullLogger:
-    """For workers that are not the primary, and the base of backends that ignore some calls."""
-
     def log_config(self, config: dict[str, Any]) -> None:
         pass
 
@@ -50,8 +46,6 @@ class NullLogger:
 
 
 class Loggers(NullLogger):
-    """Fan-out to several backends."""
-
     def __init__(self, backends: list[Logger]):
         self.backends = backends
 

@@ -18,8 +18,8 @@ COLUMNS = {"epoch": "epoch", "train/epoch_loss": "train_loss", "val/top1": "val_
 
 
 def epoch_history(metrics_path: str | Path) -> pd.DataFrame:
-    """The epoch records of a run's metrics.jsonl (a resumed run's earlier sessions included;
-    where a resume repeated an epoch, its later record), indexed by nothing but their order."""
+    """The epoch records of a run's metrics.jsonl, earlier sessions included (of a repeated
+    epoch, its later record)."""
     path = Path(metrics_path)
     records = load_metrics(path) if path.is_file() else pd.DataFrame()
     if "val/images" not in records:  # no epoch ended yet

@@ -1,6 +1,6 @@
-"""Progress in a Jupyter notebook: the console's bar per epoch, as a tqdm.auto bar (a widget
-where ipywidgets is installed), the console's summary line per epoch, and the curves of the
-run so far redrawn in place after every epoch (d2l's Animator does the same)."""
+"""Progress in a Jupyter notebook: the console's bar per epoch as a tqdm.auto bar (a widget
+where ipywidgets is installed), its summary line per epoch, and the run's curves redrawn in
+place after every epoch (as d2l's Animator)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,7 @@ class NotebookLogger(ConsoleLogger):
             self._redraw()
 
     def _redraw(self) -> None:
-        """As a PNG of its own making: a bare Figure has no notebook formatter until pyplot
-        has set the inline backend up."""
+        """As a PNG: a bare Figure has no notebook formatter until pyplot sets one up."""
         from IPython.display import Image, display  # noqa: PLC0415 (only inside IPython)
         png = io.BytesIO()
         curves_figure({self.name: pd.DataFrame.from_records(self.records)}).savefig(

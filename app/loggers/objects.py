@@ -1,9 +1,9 @@
 """Loggers as objects, for the Python API: `app.train(..., logger=...)` or
-`with app.logging_to(logger):` around the call (the seed's `with_logger`).
+`with app.logging_to(logger):` around the call.
 
-Each object describes a backend and starts it when the run starts (`start(run)`), so it can
-be made before the run exists and carried anywhere (it pickles). A list of them fans out.
-Any object with a `log_metrics(step, metrics)` method is taken as a started logger as it is.
+Each object describes a backend and starts it when the run starts (`start(run)`), so it can be
+made before the run exists and carried anywhere (it pickles). A list of them fans out; any
+object with a `log_metrics(step, metrics)` method is taken as a started logger.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ class LoggerSpec(Protocol):
 
 @dataclass(frozen=True)
 class Console:
-    """A progress bar per epoch on a terminal (plain lines when redirected), one summary line
-    per epoch: the driver's console output."""
+    """The driver's console output: a progress bar, a summary line per epoch."""
 
     def start(self, run: RunInfo) -> Logger:
         from app.loggers.console import ConsoleLogger  # noqa: PLC0415
@@ -35,8 +34,7 @@ class Console:
 
 @dataclass(frozen=True)
 class Notebook:
-    """In Jupyter: a tqdm.auto bar per epoch and the curves redrawn in place after each epoch
-    (d2l's Animator), not a scroll of lines."""
+    """In Jupyter: a bar per epoch and the curves redrawn in place, not a scroll of lines."""
     curves: bool = True
 
     def start(self, run: RunInfo) -> Logger:
@@ -56,8 +54,7 @@ class Jsonl:
 
 @dataclass(frozen=True)
 class TensorBoard:
-    """TensorBoard event files: every number under its metrics.jsonl name and step. Empty
-    `log_dir`: the run folder's tensorboard/, so `tensorboard --logdir runs` shows every run."""
+    """TensorBoard event files; empty `log_dir`: the run folder's tensorboard/."""
     log_dir: str = ""
 
     def start(self, run: RunInfo) -> Logger:
@@ -68,8 +65,7 @@ class TensorBoard:
 @dataclass(frozen=True)
 class Wandb:
     """A Weights & Biases run. Empty settings defer to the run's logging settings, then to
-    wandb's environment variables (WANDB_PROJECT, WANDB_MODE, ...); `config` is logged beside
-    the run's resolved config."""
+    wandb's environment variables; `config` is logged beside the run's resolved config."""
     project: str = ""
     name: str = ""
     config: dict[str, Any] | None = None
@@ -118,7 +114,7 @@ def start_loggers(logger: Any, run: RunInfo, always: list[Logger] | None = None)
 
 
 class Partial(NullLogger):
-    """A caller's logger that has only some of the protocol's methods (log_metrics at least)."""
+    """A caller's logger with only some of the protocol's methods (log_metrics at least)."""
 
     def __init__(self, logger: Any):
         self.logger = logger
@@ -146,5 +142,4 @@ def logging_to(logger: Any) -> Iterator[Any]:
 
 
 def current_logger() -> Any:
-    """The logger of the enclosing `logging_to` block, else the default one."""
     return _CURRENT.get() or default_logger()

@@ -1,8 +1,6 @@
 """Training curves from metrics.jsonl: loss, top-1/top-5, LR and images/s, one or several runs.
-
-Drawn with matplotlib's object API on the Agg canvas: no display and no pyplot global state,
-so it is safe inside a training process.
-"""
+Drawn with matplotlib's object API on the Agg canvas: no display and no pyplot global state, so
+it is safe inside a training process."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ from app.runtime.files import atomic_path
 
 
 def load_metrics(path: str | Path) -> pd.DataFrame:
-    """Records of one run, in step order. A resumed run re-logs the steps after its checkpoint;
-    the later records replace the earlier ones. A torn last line (the run was killed while
-    writing) is ignored; any other unreadable line is an error."""
+    """Records of one run in step order, a resume's records replacing those it re-logs. A torn
+    last line (killed while writing) is ignored; any other unreadable line is an error."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -50,14 +47,12 @@ PANELS = (  # (title, x column, [(column, line style)])
 
 
 def draw_curves(runs: dict[str, pd.DataFrame], path: str | Path) -> None:
-    """One figure, four panels; each run in its own colour. Written atomically."""
     figure = curves_figure(runs)
     with atomic_path(path) as temporary:
         figure.savefig(temporary, dpi=90, format="png")
 
 
 def curves_figure(runs: dict[str, pd.DataFrame]):
-    """The figure of draw_curves (a notebook shows it in place: app/loggers/notebook.py)."""
     from matplotlib.figure import Figure  # noqa: PLC0415 (a second to import: only when drawing)
     figure = Figure(figsize=(11, 7), layout="constrained")
     axes = figure.subplots(2, 2).ravel()

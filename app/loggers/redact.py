@@ -1,8 +1,6 @@
-"""Keep secrets out of what leaves the machine (the config logged to wandb).
-
-Credentials never belong in a config (S3 uses the AWS credential chain), but a user may still
-put one in a URL or in a value whose name says what it is; those are masked.
-"""
+"""Keep secrets out of what leaves the machine (the config logged to wandb or TensorBoard).
+Credentials never belong in a config, but a user may still put one in a URL or in a value whose
+name says what it is; those are masked."""
 
 from __future__ import annotations
 

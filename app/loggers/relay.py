@@ -1,10 +1,9 @@
 """Log records of the primary replica, delivered in the caller's thread.
 
-The Python API's loggers are the caller's objects (a notebook's progress widgets and figures,
-a wandb run): they run where the caller runs, not in a replica thread or a worker process.
-The primary replica logs to a RelayLogger, which only puts each call on a queue
-(`queue.Queue` between threads, a multiprocessing queue from a worker process); the caller's
-thread calls `deliver` while it watches the replicas, and once more at the end.
+The Python API's loggers are the caller's objects (a notebook's widgets and figures, a wandb
+run): they run where the caller runs, not in a replica thread or a worker process. The primary
+replica logs to a RelayLogger, which puts each call on a queue (between threads, or from a
+worker process); the caller's thread `deliver`s them while it watches the replicas, and at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ class RelayLogger(NullLogger):
 
 
 def deliver(inbox: Any, logger: Logger) -> None:
-    """Every call waiting in `inbox`, in order, to `logger`."""
     while True:
         try:
             method, args = inbox.get_nowait()

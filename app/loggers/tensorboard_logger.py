@@ -1,11 +1,6 @@
 """TensorBoard backend: event files in the run folder's tensorboard/ (so `tensorboard --logdir
-runs` shows every run), written by torch's SummaryWriter. Every number of a record goes in as
-a scalar under its metrics.jsonl name and step; the config goes in once as text.
-
-Created only in the primary process, like every logger. tensorboard is imported here only, when
-a run asks for it: the other processes, and the runs that do not ask, never pay for it
-(tests/test_imports.py, tests/test_tensorboard.py).
-"""
+runs` shows every run); every number of a record a scalar under its metrics.jsonl name and
+step, the config once as text. tensorboard is imported only when a run asks for it."""
 
 from __future__ import annotations
 
@@ -50,10 +45,9 @@ class TensorBoardLogger(NullLogger):
             writer.flush()
 
     def _open(self, first_step: int):
-        """A resumed run logs again the steps after its checkpoint, into a new event file
-        beside the old ones: the purge step tells TensorBoard's readers to drop what earlier
-        files hold from the first step this session logs on (the data server drops a series'
-        later steps by itself; the Python reader needs the marker)."""
+        """A resumed run logs again the steps after its checkpoint, into a new event file: the
+        purge step tells TensorBoard's readers (the Python one needs it) to drop what earlier
+        files hold from there on."""
         self.writer = self.writer_class(self.log_dir, purge_step=first_step)
         self.first_step = first_step
         if self.config_text:  # each session's config at the step it starts from
@@ -66,7 +60,7 @@ class TensorBoardLogger(NullLogger):
 
 
 def config_as_text(config: dict[str, Any]) -> str:
-    """JSON, each line indented four spaces: TensorBoard's text tab renders markdown, where an
-    indented block keeps its layout. Redacted as wandb's: event files get copied and shared."""
+    """JSON indented four spaces (a markdown block in TensorBoard's text tab), redacted: event
+    files get copied and shared."""
     text = json.dumps(redact(config), indent=2, default=str)
     return "\n".join("    " + line for line in text.splitlines())

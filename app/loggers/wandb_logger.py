@@ -1,10 +1,7 @@
-"""Weights & Biases backend. Created only in the primary process, so one run per training job;
-the run's id is stored in every checkpoint, so a resumed job continues the same wandb run.
-
-Settings left empty defer to wandb's environment variables (WANDB_PROJECT, WANDB_ENTITY,
-WANDB_MODE, WANDB_TAGS, WANDB_DIR, WANDB_API_KEY). wandb is imported here only: machines
-without it can train with the other loggers.
-"""
+"""Weights & Biases backend, one run per training job; the run's id is in every checkpoint, so
+a resumed job continues the same wandb run. Empty settings defer to wandb's environment
+variables (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE, ...). wandb is imported here only: machines
+without it can train with the other loggers."""
 
 from __future__ import annotations
 
