@@ -1,9 +1,7 @@
 """Where the images are and what they are: datasets.toml -> a DatasetRoot (catalog, storage,
-locations) -> the tables of [path, label] of each split (tables: Kaggle's LOC files and
-train_cls.txt; imagefolder: one folder per class; shards: WebDataset tars and parquet files,
-with shard_index and shard_store; labels: wnids, words, --classes), the generated sample
-datasets (sample), archives downloaded and unpacked on first use (archive, download), the list
-of skipped images (skipped) and bin/make_shards.py's writer.
+locations) -> each split's [path, label] table (tables, imagefolder, shards, labels); generated
+samples (sample), files fetched once per machine (fetcher, archive), a remote run folder's
+uploads (remote_run, uploader), the skipped images (skipped) and bin/make_shards.py's writer.
 
 The face: Catalog. Imports only app.runtime and app.config. Nothing here imports torch.
 """

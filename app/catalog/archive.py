@@ -1,16 +1,7 @@
 """A dataset that arrives as one archive (.tgz, .tar.gz, .tar or .zip) at any URL the catalog
-reads (https://, s3://, a local path, ...): fetched by app/catalog/fetcher.py (once per machine,
-a cut download continued, verified against its checksum), unpacked here by the first run that
-asks for it; later runs open the unpacked folder and make no request. Beside the download:
-
-    archives/<16 hex>/imagenette2-320-3df6f0d0/       the dataset: train/<wnid>/, val/<wnid>/
-    archives/<16 hex>/imagenette2-320-3df6f0d0.lock   flock of the process that unpacks it
-    archives/<16 hex>/.imagenette2-320-3df6f0d0-*/    the unpack while it runs
-
-The folder is named by the archive's file name and the first 8 hex digits of its checksum (a
-changed checksum unpacks anew); it appears by one rename once the archive is unpacked and holds
-the ImageFolder layout (at its root or under its one top folder), so a folder that exists is
-whole. The archive is removed after unpacking.
+reads: fetched by app/catalog/fetcher.py, unpacked by the first run that asks for it (then
+removed) into a folder named by its file name and checksum (a changed checksum unpacks anew)
+that appears by one rename, so a folder that exists is whole.
 """
 
 from __future__ import annotations
@@ -45,8 +36,7 @@ def is_archive(url: str) -> bool:
 
 
 def check_entry(where: str, entry: dict[str, Any]) -> None:
-    """At catalog load: an archive entry names one checksum and the ImageFolder layout; a
-    checksum belongs to an archive."""
+    """An archive entry needs one checksum and the ImageFolder layout; a checksum, an archive."""
     if is_archive(entry.get("url", "")):
         checksum_of(where, entry)
         if entry.get("layout", "kaggle") != "imagefolder":
@@ -105,8 +95,7 @@ def cache_folder(archive: Archive, cache_dir: str | Path) -> Path:
 
 
 def ensure(archive: Archive, cache_dir: str | Path, report: Report = None) -> Path:
-    """The unpacked dataset's folder, fetched and unpacked first if no run has yet (told to
-    `report`): by one process of the machine, which the others wait for."""
+    """The unpacked dataset's folder, made first by one process of the machine if need be."""
     target = cache_folder(archive, cache_dir)
     if target.is_dir():
         return target
@@ -149,13 +138,11 @@ def unpack(archive: Archive, file: Path, staging: Path) -> None:
     except tarfile.FilterError as error:
         raise UserError(f"archive {archive.url} holds a member that would land outside its "
                         f"folder ({first_line(error, 120)}); it is not unpacked") from None
-    except OSError as error:
-        if error.errno in DISK_FULL:
+    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as error:
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
             needs = (f"the archive takes {format_size(file.stat().st_size)} and unpacks to "
                      f"{format_size(unpacked_size(archive, file))}")
             raise no_room(archive.url, staging.parent, error, archive.where, needs) from None
-        raise unreadable(archive, error) from None
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as error:
         raise unreadable(archive, error) from None
 
 
@@ -168,8 +155,7 @@ def unpacked_size(archive: Archive, file: Path) -> int:
 
 
 def dataset_folder(archive: Archive, unpacked: Path) -> Path:
-    """The folder that holds train/ and val/ with class folders: the archive's root, or its one
-    top folder (as fast.ai's imagenette2-320/)."""
+    """The folder holding train/ and val/: the archive's root, or its one top folder."""
     top = sorted(p for p in unpacked.iterdir()
                  if not p.name.startswith(".") and p.name not in IGNORED_AT_TOP)
     candidates = [unpacked] + (top if len(top) == 1 and top[0].is_dir() else [])
@@ -192,4 +178,3 @@ def unreadable(archive: Archive, error: BaseException) -> UserError:
     return UserError(f"{archive.url} is not a readable {archive.suffix} archive "
                      f"({first_line(error, 120, True)}), though its checksum is the catalog's; "
                      f"check `url` and the checksum of {archive.where}")
-

@@ -1,11 +1,6 @@
-"""datasets.toml -> DatasetRoot: a named dataset opened as a root folder over an fsspec filesystem.
-
-Any fsspec URL works (a local path, file://, s3://, gs://, az://, memory://, https://, ...).
-Entries either point at an existing ImageNet (`url`), at an archive of one (a `url` ending in
-.tgz, .tar.gz, .tar or .zip, with its `sha256` or `md5`) that is downloaded and unpacked into a
-cache folder on first use, or name a sample preset (`sample`) that is generated there on first
-use; `layout` says how its labels are found (Kaggle's tables or one folder per class), `reader`
-who reads the images of an object store (obstore, or s3fs).
+"""datasets.toml -> DatasetRoot: a named dataset opened as a root folder at any fsspec URL. An
+entry names existing data (`url`), an archive of it (a `url` ending in .tgz, .tar.gz, .tar or
+.zip, with its `sha256` or `md5`) or a sample preset (`sample`), the last two made on first use.
 """
 
 from __future__ import annotations
@@ -77,8 +72,7 @@ class Catalog:
         return list(self.entries)
 
     def open(self, name: str = "", report: Callable[[str], None] | None = None) -> DatasetRoot:
-        """Resolve an entry to its root; the root must exist (sample entries are generated and
-        archives downloaded and unpacked on first use, which is told to `report`)."""
+        """The entry's root, which must exist; generating or downloading it is told to `report`."""
         name = name or self.default
         if name not in self.entries:
             raise UserError(f"unknown dataset '{name}' in {self.path}; known: "
@@ -111,17 +105,13 @@ class Catalog:
         return root
 
     def location(self, url: str) -> Location:
-        """Any URL that is not a dataset (a run folder, a checkpoint to resume from), opened
-        with the settings of the entry whose bucket holds it (endpoint_url, region, profile,
-        anon; the longest matching url wins), else with the credential chain's alone: one way
-        for datasets and run folders to become clients."""
+        """Any other URL (a run folder, a checkpoint), opened with the settings of the entry in
+        the same bucket (the longest matching url wins), else with the credential chains alone."""
         url = url.rstrip("/")
         entry = self._entry_holding(url)
         return Location(url, _storage_options(url, entry), _store_options(url, entry))
 
     def _entry_holding(self, url: str) -> dict[str, Any]:
-        """The entry with a url in the same bucket as `url` (the same scheme://host), the one
-        sharing the longest prefix with it; {} when none is."""
         bucket = _bucket_of(url)
         best: tuple[int, dict[str, Any]] = (-1, {})
         for name, entry in self.entries.items():
@@ -134,13 +124,11 @@ class Catalog:
         return best[1]
 
     def dataset(self, name: str = "") -> Dataset:
-        """An entry as an object whose tables the Python API trains on (app/catalog/dataset.py):
-        opened as `open` opens it."""
+        """The entry for the Python API (app/catalog/dataset.py), opened as `open` opens it."""
         return Dataset(self.open(name, report=print))
 
     def _unpacked(self, name: str, entry: dict[str, Any], url: str,
                   report: Callable[[str], None] | None) -> DatasetRoot:
-        """An archive's dataset: the local folder it is unpacked into (app/catalog/archive.py)."""
         where = f"[datasets.{name}] in {self.path}"
         algorithm, digest = archive.checksum_of(where, entry)  # url_env may name the archive
         source = archive.Archive(url, algorithm, digest, where, _storage_options(url, entry))
@@ -206,8 +194,7 @@ def _bucket_of(url: str) -> str:
 
 
 def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """fsspec options from the entry. Credentials are never here: s3fs follows the standard
-    AWS chain (environment, shared config/profile, instance role)."""
+    """fsspec options from the entry; never credentials (s3fs follows the AWS chain)."""
     if scheme_of(url) in ("http", "https"):
         return _http_options()
     if not url.startswith(("s3://", "s3a://")):
@@ -234,17 +221,15 @@ def _storage_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _http_options() -> dict[str, Any]:
-    """aiohttp's defaults would end any request after 5 minutes in all (an archive's download
-    takes longer on a slow link) and ignore the proxy variables: here a stalled connection
-    fails within a minute, however long the download lasts, and HTTPS_PROXY is honoured."""
+    """aiohttp's defaults end any request after 5 minutes in all (too short for an archive on a
+    slow link) and ignore HTTPS_PROXY: here only a stalled connection fails, and it is honoured."""
     import aiohttp  # noqa: PLC0415 (only where a URL is http's)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
     return {"client_kwargs": {"timeout": timeout, "trust_env": True}}
 
 
 def _store_options(url: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """The entry's settings for obstore's client (app/catalog/storage.py maps them): no credentials
-    here either."""
+    """The entry's settings for obstore's client (storage.py maps them); never credentials."""
     if scheme_of(url) not in OBJECT_STORE_SCHEMES:
         return {}
     return {key: entry[key] for key in ("endpoint_url", "region", "profile", "anon")

@@ -1,12 +1,9 @@
-"""A catalog entry as an object for the Python API: `catalog.dataset("sample")` opens it,
-and its tables come back as labelled image lists (`Split`) for `app.prepare_training`:
+"""A catalog entry as an object for the Python API: its tables, read and checked as the driver
+reads them, come back as labelled image lists (`Split`) for `app.prepare_training`:
 
     data = catalog.dataset("imagenet_s3")
     train = data.solutions("LOC_train_solution.csv", classes=range(100))  # boxed images only
     val = data.split("val", classes=range(100))                           # any layout
-
-The tables are read and checked exactly as the driver reads them (app/catalog/tables.py,
-imagefolder.py): same paths, same one-line errors, local or on an object store.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ SPLITS = ("train", "val")
 
 @dataclass(frozen=True)
 class Split:
-    """Labelled images of one dataset, [path, label] with paths relative to `root`; the
-    labels index `classes.wnids`."""
+    """[path, label] images of one dataset: paths relative to `root`, labels index `classes`."""
     root: DatasetRoot
     frame: pd.DataFrame
     classes: ClassIndex
@@ -109,8 +105,7 @@ class Dataset:
 
 
 def as_selection(classes: object, known: list[str], source: str) -> int | list[str]:
-    """What --classes takes (a count, wnids) from what a caller may pass: also class indices
-    and a comma-separated string of wnids."""
+    """What --classes takes (a count, wnids) from what a caller may pass (indices, "a,b", ...)."""
     if isinstance(classes, str):
         return [c.strip() for c in classes.split(",") if c.strip()]
     if isinstance(classes, bool):

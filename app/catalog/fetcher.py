@@ -1,16 +1,9 @@
-"""The one way a whole remote file reaches this machine (an archive, a checkpoint to resume or
-start from, a model to predict with, a shard): once per machine, into one layout below the cache
-folder (an entry's `cache_dir`, else IMAGENET_DP_CACHE, else ~/.cache/imagenet-dp):
-
-    <kind>/<16 hex digits of the URL's sha256>/<its file name>        there only when whole
-    <kind>/<16 hex digits of the URL's sha256>/<its file name>.lock   held by whoever fetches it
-    <kind>/<16 hex digits of the URL's sha256>/<its file name>.part   the download, or its cut
-
-Processes asking at once fetch it once (`lock`; every file lock of this program is a
-`machine_lock`, the disk cache's ledger's too); a cached copy is used while `is_current`; a
-cut download is continued (`download`). The bytes travel through fsspec, or through obstore
-where a dataset's entry reads with it. Errors are one line naming the URL and what to do;
-`where` names the catalog entry to edit ("" for a command line's URL).
+"""The one way a whole remote file reaches this machine (an archive, a checkpoint, a model, a
+shard): once per machine, into the cache folder (an entry's `cache_dir`, else IMAGENET_DP_CACHE,
+else ~/.cache/imagenet-dp) as <kind>/<16 hex of the URL's sha256>/<file name>, there only when
+whole, beside its .lock and its .part (the download, or its cut). A cached copy is used while
+`is_current`; a cut download is continued. `where` names the catalog entry to edit in messages
+("" for a command line's URL).
 """
 
 from __future__ import annotations
@@ -32,11 +25,10 @@ from app.catalog.retry import request_errors
 from app.catalog.storage import Location, default_cache_dir, scheme_of
 from app.runtime.errors import UserError, first_line
 
-CHUNK_BYTES = 8 << 20  # per read and write: a 330 MB archive is ~40 of them
+CHUNK_BYTES = 8 << 20  # per read and write
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-# A waiting process trusts the holder's liveness to the kernel (a dead holder's flock is freed
-# at once) and a stalled download fails within the clients' read timeouts, so this bound only
-# ends a wait on a holder hung elsewhere; it outlasts a 330 MB download at 200 KB/s.
+# Only ends a wait on a holder hung elsewhere: the kernel frees a dead holder's lock, and a
+# stalled download fails within the clients' read timeouts.
 LOCK_WAIT_S = 1800.0
 
 Report = Callable[[str], None] | None
@@ -64,8 +56,7 @@ def cached_path(url: str, kind: str, cache: str | Path | None = None) -> Path:
 
 def fetch(source: Location, kind: str, relative: str = "", checksum: Checksum | None = None,
           cache: str | Path | None = None, where: str = "", report: Report = None) -> Path:
-    """The file `relative` of `source` (`source` itself for "") in the cache, fetched or
-    continued first unless the copy there is current; what it does is told to `report`."""
+    """`source`'s file `relative` (`source` itself for "") in the cache, fetched unless current."""
     remote = Remote(source, relative, where)
     local = cached_path(remote.url, kind, cache)
     with lock(local, remote.url, report, where=where):
@@ -86,9 +77,8 @@ def fetch(source: Location, kind: str, relative: str = "", checksum: Checksum | 
 @contextlib.contextmanager
 def lock(target: Path, url: str, report: Report = None, wait: bool = True,
          where: str = "") -> Iterator[bool]:
-    """One process of the machine makes `target` (fetches it, unpacks it), whatever run it
-    belongs to; the others wait (saying so once), then find it made. `wait=False` yields False
-    at once instead of waiting."""
+    """One process of the machine makes `target` (fetches, unpacks it); the others wait (saying
+    so once), then find it made. `wait=False` yields False instead of waiting."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -113,9 +103,8 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
 
 
 def machine_lock(target: Path) -> FileLock:
-    """The lock beside `target` that every process of this machine takes to make or change it
-    (this module's downloads, the disk cache's ledger): the one way this program locks files.
-    The kernel releases it with the process that holds it, however that process ends."""
+    """The lock beside `target` that every process of the machine takes to make or change it:
+    the one way this program locks files. The kernel frees it with its process, however it ends."""
     return FileLock(f"{target}.lock")
 
 
@@ -128,9 +117,8 @@ def acquired(held: FileLock, timeout_s: float) -> bool:
 
 
 def is_current(local: Path, remote: Remote, checksum: Checksum | None) -> bool:
-    """A cached file with a checksum is hashed again (it was verified against the checksum of
-    its day); one without is as current as its size (a run's last.pt is replaced as it
-    trains, not edited)."""
+    """A cached file with a checksum is hashed again; one without is as current as its size (a
+    run's last.pt is replaced as it trains, not edited)."""
     if checksum:
         with open(local, "rb") as file:
             return hashlib.file_digest(file, checksum[0]).hexdigest() == checksum[1]
@@ -197,8 +185,7 @@ class Remote:
 
 def download(remote: Remote, part: Path, algorithm: str | None, report: Report) -> str | None:
     """The file's bytes into `part`, continued with a Range request where a cut download left
-    some (from the first byte where the server takes none); the hex digest of the whole file by
-    `algorithm` (hashlib's name), if one is given, the kept bytes hashed again."""
+    some; the hex digest of the whole file by `algorithm` (hashlib's name), if one is given."""
     kept = part.stat().st_size if part.is_file() else 0
     # Without a size there is no knowing where a cut left off; a larger file changed since.
     offset = kept if kept and remote.size and kept <= remote.size else 0
@@ -217,13 +204,11 @@ def download(remote: Remote, part: Path, algorithm: str | None, report: Report) 
         with tqdm(total=size, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=part.name[:-len(".part")], disable=report is None) as bar:
             digest = copy(chunks, part, offset, algorithm, bar)
-    except OSError as error:
-        if error.errno in DISK_FULL:
+    except request_errors() as error:  # OSError among them
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
             part.unlink(missing_ok=True)  # the room it took is room the user needs
             needs = f"the file takes {format_size(remote.size)}" if remote.size else "the file"
             raise no_room(remote.url, part.parent, error, remote.where, needs) from None
-        raise cut(remote.url, part, remote.size, first_line(error, 200, True)) from None
-    except request_errors() as error:
         raise cut(remote.url, part, remote.size, first_line(error, 200, True)) from None
     if size and part.stat().st_size != size:  # closed early, without a Content-Length
         raise cut(remote.url, part, size, "the server closed the connection")
@@ -255,8 +240,7 @@ def _chunks(file, chunk: bytes) -> Iterator[bytes]:
 
 
 def unreachable(url: str, where: str, error: BaseException) -> FetchError:
-    """The first request failed: a missing file, another HTTP status, refused credentials, or
-    no connection."""
+    """The first request failed: a missing file, an HTTP status, refused credentials, no link."""
     from obstore.exceptions import NotFoundError, PermissionDeniedError  # noqa: PLC0415
     if isinstance(error, FileNotFoundError) and scheme_of(url) in ("http", "https") \
             and error.__cause__ is not None:
@@ -306,6 +290,5 @@ def _duration(seconds: float) -> str:
 
 
 def say(report: Report, line: str) -> None:
-    """A line for whoever watches the run (the driver's log), if anyone does."""
     if report:
         report(line)

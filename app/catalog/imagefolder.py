@@ -1,12 +1,7 @@
-"""The ImageFolder layout -> labelled frames: one folder per class, as torchvision's ImageFolder
-and pytorch/examples read ImageNet (after the usual re-foldering of val):
-
-    train/<wnid>/<any name>.JPEG     val/<wnid>/<any name>.JPEG     LOC_synset_mapping.txt (optional)
-
-Class = the folder under train/; label = position among the sorted wnids (for ImageNet the
-synset mapping's order too, so labels match the Kaggle layout's). The mapping, when present,
-names the classes and must know every folder. Everything is found by listing: on an object
-store one LIST request per 1,000 objects.
+"""The ImageFolder layout -> labelled frames: train/<wnid>/*, val/<wnid>/* and optionally
+LOC_synset_mapping.txt, as torchvision's ImageFolder reads ImageNet (val re-foldered by class).
+Label = position among the sorted wnids (for ImageNet the mapping's order too, as in the Kaggle
+layout); the mapping, when present, names the classes and must know every folder.
 """
 
 from __future__ import annotations
@@ -63,10 +58,8 @@ def class_index(root: DatasetRoot, train_images: pd.DataFrame, folders: list[str
 
 
 def _images(root: DatasetRoot, split: str, notes: list[str]) -> tuple[pd.DataFrame, list[str]]:
-    """Frame [path, wnid] of one split's images, and its class folders (empty ones included
-    where the filesystem keeps folders). Names that would leave the root and class folders
-    that are not wnids are refused; hidden files, files that are not images and files outside
-    the class folders are left out and counted in `notes`."""
+    """Frame [path, wnid] of a split's images, and its class folders; names leaving the root and
+    misnamed class folders are refused, hidden, non-image and stray files counted in `notes`."""
     if not root.exists(split):
         raise UserError(f"dataset '{root.name}': folder {root.describe(split)} not found; is "
                         "this an ImageFolder-layout dataset (train/<wnid>/, val/<wnid>/)?")

@@ -1,8 +1,6 @@
-"""ImageNet-1k's 1,000 classes in their standard order (sorted wnids, the index every ImageNet
-model and the shard copies use) with their words, for datasets that carry only class indices.
-
-The table is timm's (`timm/data/_info/`: imagenet_synsets.txt and the words of each synset),
-read as files: importing timm would import torch, which the catalog never does.
+"""ImageNet-1k's classes in their standard order (sorted wnids) with their words, for datasets
+that carry only class indices. Read from timm's files (timm/data/_info/), not by importing timm:
+that would import torch, which the catalog never does.
 """
 
 from __future__ import annotations

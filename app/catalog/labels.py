@@ -1,9 +1,5 @@
 """What every dataset layout produces and checks the same way: the labelled frames, the class
-index, the selection of classes, and the rules that keep paths inside the dataset root.
-
-The layouts themselves: Kaggle's tables in app/catalog/tables.py, one folder per class in
-app/catalog/imagefolder.py.
-"""
+index and its selection, and the rules that keep paths inside the dataset root."""
 
 from __future__ import annotations
 
@@ -60,8 +56,7 @@ Classes = int | list[str] | ClassIndex  # a count (0 = all), wnids, or an index 
 
 
 def select_classes(known: list[str], classes: int | list[str], source: str) -> list[str]:
-    """The selected wnids in the order of `known`: all (0), the first N, or a named list.
-    `source` names where the classes come from, for the messages."""
+    """The selected wnids in `known`'s order: all (0), the first N, or a named list."""
     if isinstance(classes, int):
         if classes > len(known):
             raise UserError(f"classes = {classes}, but {source} lists only {len(known)}; "

@@ -1,9 +1,6 @@
-"""Files and folders named by a local path or any fsspec URL (s3://, gs://, https://, ...), for
-what comes after training: weights to start from, models to load, images to classify. URLs go
-through app/catalog/storage.py's clients, as datasets do; credentials come from the same chains,
-and the settings (endpoint_url, region, profile, anon) of the project catalog's entry in the
-same bucket apply as they do to a run folder (Catalog.location). Model files at a URL are read
-through the cache (app/catalog/fetcher.py): fetched once per machine, again when they change."""
+"""Files and folders named by a local path or any fsspec URL, for what comes after training
+(weights, models, images to classify): URLs are opened as run folders are (Catalog.location),
+model files at a URL read through the cache (app/catalog/fetcher.py)."""
 
 from __future__ import annotations
 

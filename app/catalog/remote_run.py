@@ -1,11 +1,6 @@
-"""A run folder at a URL (s3://, gs://, az://): where it is staged on this machine, and the few
-requests the run makes of the bucket (put, copy, delete, fetch), each retried by its client
-(app/catalog/retry.py; a failed upload is tried again later by the upload process).
-
-The run writes into a local staging folder exactly as into a local run folder (atomic files,
-hard-linked last.pt); app/catalog/uploader.py uploads what it is told the run saved. The clients
-come from the catalog (Catalog.location: the settings of the entry whose bucket holds the URL,
-else the AWS/GCP/Azure credential chains), as a dataset's do.
+"""A run folder at a URL (s3://, gs://, az://): where it is staged on this machine (the run writes
+there as into a local run folder; app/catalog/uploader.py uploads what it saved), and the few
+requests the run makes of the bucket, each retried by its client (app/catalog/retry.py).
 """
 
 from __future__ import annotations
@@ -26,9 +21,8 @@ def is_url(location: str) -> bool:
 
 
 def staging_folder(output_url: str) -> Path:
-    """Where the run folders of `output_url` are staged on this machine:
-    <cache>/runs/<16 hex digits of the URL's sha256>/ (one folder per output URL, so two
-    buckets' runs of one name never meet; the URL itself is in the folder's `url` file)."""
+    """<cache>/runs/<16 hex digits of the URL's sha256>/: one per output URL, so two buckets'
+    runs of one name never meet (its `url` file names the URL)."""
     url = output_url.rstrip("/")
     folder = default_cache_dir() / "runs" / hashlib.sha256(url.encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,14 +44,12 @@ class RemoteRunFolder:
         return self.root.describe(relative)
 
     def put(self, local: Path, relative: str) -> None:
-        """Upload a whole file; an object store shows the object only once all its bytes are
-        there (a multipart upload becomes visible when it completes)."""
+        """An object store shows the object only once all its bytes are there."""
         self.root.fs.put_file(str(local), self.root.path(relative))
 
     def claim(self, relative: str, data: bytes) -> bool:
-        """Write `relative` only if no object has that name (a conditional write, S3's
-        If-None-Match: *): of two runs that take one name at the same moment, one gets it.
-        False: the name is taken."""
+        """Write `relative` only if no object has that name (S3's If-None-Match: *), so of two
+        runs taking one name at once, one gets it. False: the name is taken."""
         try:
             self.root.fs.pipe_file(self.root.path(relative), data, mode="create")
         except FileExistsError:
@@ -72,7 +64,6 @@ class RemoteRunFolder:
         self.root.fs.rm_file(self.root.path(relative))
 
     def sizes(self) -> dict[str, int]:
-        """Every file of the run folder, relative to it, with its size in bytes."""
         self.root.fs.invalidate_cache()
         found = self.root.fs.find(self.root.path(""), detail=True)
         return {self.root._relative(name): info.get("size", 0) for name, info in found.items()
@@ -86,8 +77,7 @@ class RemoteRunFolder:
         return local
 
     def check_writable(self) -> None:
-        """Write and delete a small object: a bucket that refuses writes or does not exist
-        stops the run here, before any worker starts."""
+        """A bucket that refuses writes or does not exist stops the run before any worker."""
         probe = f".write-probe-{os.getpid()}-{random.randrange(1 << 30)}"
         try:
             self.root.fs.pipe_file(self.root.path(probe), b"imagenet-dp")
@@ -106,4 +96,3 @@ def refusal(error: BaseException) -> str:
     if isinstance(error, FileNotFoundError):
         return "no such bucket or key: " + first_line(error, 120)
     return first_line(error, 160, with_type=True)
-

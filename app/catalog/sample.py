@@ -1,14 +1,9 @@
-"""Generator of the sample dataset: an ImageNet-format dataset in the Kaggle layout, or the same
-images in the ImageFolder layout (train/<wnid>/, val/<wnid>/ and the synset mapping).
-
-Same seed, same bytes. Each class is a coloured grating (hue and angle depend on the class;
-angles stay in [0, 90) so a horizontal flip never turns one class into another) with one or two
-ellipse "objects" whose boxes become the LOC boxes, plus per-image jitter and pixel noise.
-A small ResNet can learn it, so accuracy is a meaningful signal.
-
-It reproduces the quirks of the real files: PredictionString groups with a trailing space,
-descriptions with commas, a train CSV that lists only part of the train images, and one
-CMYK JPEG, one PNG named .JPEG and one grayscale JPEG.
+"""The sample dataset, in ImageNet's Kaggle layout or the ImageFolder layout; same seed, same
+bytes. Each class is a coloured grating (angles stay in [0, 90) so a horizontal flip never turns
+one class into another) with one or two ellipse "objects" whose boxes become the LOC boxes: a
+small ResNet can learn it, so accuracy is a meaningful signal. It reproduces the real files'
+quirks: PredictionString groups with a trailing space, descriptions with commas, a train CSV
+listing part of the train images, one CMYK JPEG, one PNG named .JPEG, one grayscale JPEG.
 """
 
 from __future__ import annotations
@@ -143,14 +138,11 @@ def render(job: ImageJob) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
 def write_image(job: ImageJob) -> list[tuple[int, int, int, int]]:
     pixels, boxes = render(job)
     image = Image.fromarray(pixels, "RGB")
-    if job.quirk == "cmyk":
-        image.convert("CMYK").save(job.path, "JPEG", quality=job.preset.quality)
-    elif job.quirk == "png":  # a PNG under a .JPEG name, as one real train file is
+    if job.quirk == "png":  # a PNG under a .JPEG name, as one real train file is
         image.save(job.path, "PNG")
-    elif job.quirk == "gray":
-        image.convert("L").save(job.path, "JPEG", quality=job.preset.quality)
     else:
-        image.save(job.path, "JPEG", quality=job.preset.quality)
+        mode = {"cmyk": "CMYK", "gray": "L"}.get(job.quirk, "RGB")
+        image.convert(mode).save(job.path, "JPEG", quality=job.preset.quality)
     return boxes
 
 
@@ -161,8 +153,7 @@ def _prediction_string(wnid: str, boxes: list[tuple[int, int, int, int]]) -> str
 
 def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: int = 0,
              layout: str = "kaggle") -> Path:
-    """Write the sample dataset to `out_dir` (which must not exist yet). Both layouts hold the
-    same images (same bytes, same labels); only their paths and tables differ."""
+    """The sample into `out_dir` (which must not exist yet); both layouts hold the same images."""
     if preset not in PRESETS:
         raise UserError(f"unknown sample preset '{preset}'; known: {', '.join(PRESETS)}")
     if layout not in FILE_LAYOUTS:
@@ -188,7 +179,6 @@ def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: 
             train_jobs.append(ImageJob(str(train_dir / wnid / f"{image_id}.JPEG"), label,
                                        (seed, 1, label, i), spec.classes, spec, quirk))
 
-    val_count = spec.val_per_class * spec.classes
     val_labels = rng.permutation(np.repeat(np.arange(spec.classes), spec.val_per_class))
     # The ImageFolder layout has val re-foldered by class, as users' copies usually are.
     val_dirs = [out / VAL_DIR if kaggle else out / VAL_FOLDER / wnid for wnid, _ in classes]
@@ -213,7 +203,7 @@ def generate(out_dir: str | Path, preset: str = "tiny", seed: int = 0, workers: 
 
     val_rows = [f"ILSVRC2012_val_{n + 1:08d},{_prediction_string(classes[job.label][0], box)}"
                 for n, (job, box) in enumerate(zip(val_jobs, val_boxes))]
-    val_rows = [val_rows[i] for i in rng.permutation(val_count)]
+    val_rows = [val_rows[i] for i in rng.permutation(len(val_rows))]
     (out / VAL_SOLUTION).write_text("ImageId,PredictionString\n" + "\n".join(val_rows) + "\n")
 
     (out / TRAIN_CLS).parent.mkdir(parents=True)
@@ -234,9 +224,8 @@ def _run_jobs(jobs: list[ImageJob], workers: int) -> list:
 
 def ensure(cache_dir: str | Path, preset: str, seed: int,
            report: Callable[[str], None] | None = None, layout: str = "kaggle") -> Path:
-    """The sample's folder in the cache, generated once (and told to `report`). Generation
-    goes to a temporary folder that is renamed into place, so an interrupted run never leaves
-    half a dataset."""
+    """The sample's folder in the cache, generated once (told to `report`) into a temporary
+    folder renamed into place, so an interrupted run never leaves half a dataset."""
     cache = Path(cache_dir).expanduser()
     named = preset if layout == "kaggle" else f"{preset}-{layout}"
     target = cache / f"sample-{named}-seed{seed}-v{FORMAT_VERSION}"
@@ -261,4 +250,3 @@ def ensure(cache_dir: str | Path, preset: str, seed: int,
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-

@@ -1,16 +1,8 @@
 """The index of one shard on the local disk: where each sample's image bytes lie in a local file
-and which class the shard gives it. Samples are then read by offset (one pread each), never by
-walking the shard again.
-
-- A WebDataset tar (`KEY.jpg`, `KEY.cls`, optional `KEY.json`, ... one member per extension,
-  members of a sample side by side): the tar itself is the data file; its headers are read with
-  the standard library's tarfile, which seeks past the members' data.
-- A Hugging Face parquet file (`image` = struct<bytes, path>, `label`): pyarrow reads it row
-  group by row group and the image bytes are written back to back into a data file of their
-  own (Arrow's offsets give each sample's place), so a sample costs a pread there too.
-
-A shard that is cut short or damaged raises ShardError: one line naming the shard, the byte
-offset or row group, and what to do.
+and which class the shard gives it, so that a sample is one pread, never a walk of the shard.
+A tar is its own data file (tarfile reads its headers, seeking past the data); a parquet file's
+image bytes are written back to back into a data file of their own, row group by row group.
+A shard cut short or damaged raises ShardError naming the shard and byte offset or row group.
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ import numpy as np
 from app.runtime.errors import UserError, first_line
 from app.runtime.files import atomic_path
 
-# A WebDataset sample's image: the first member with one of these extensions (webdataset's own
-# decoders' image extensions).
+# A WebDataset sample's image: its first member with one of webdataset's image extensions.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tif", "tiff")
 CLASS_EXTENSION = "cls"
 REDOWNLOAD = "download or write it again (bin/make_shards.py), or remove it from the split"
@@ -41,8 +32,7 @@ RESUME = "resume with --resume auto (the last checkpoint stands)"
 
 
 def missing_shard(shard: str, how: str = "") -> ShardError:
-    """A shard listed for the split that is not there (any more): removed or moved since the
-    run started, or a partial copy."""
+    """A listed shard that is not there (any more): removed or moved, or a partial copy."""
     return ShardError(f"shard {shard} is missing{how}; put it back (download or copy it "
                       f"again), then {RESUME}")
 
@@ -132,8 +122,7 @@ def _class_index(text: bytes, shard: str, member: tarfile.TarInfo) -> int:
 
 
 def parquet_file(source, shard: str):
-    """pyarrow's ParquetFile over a local path or an open file; a file without its footer (cut
-    short) is named with its size."""
+    """pyarrow's ParquetFile of a path or an open file; one without a footer names its size."""
     import pyarrow as pa  # noqa: PLC0415 (only the shard layouts need pyarrow)
     import pyarrow.parquet as pq  # noqa: PLC0415
     try:

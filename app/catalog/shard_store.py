@@ -1,12 +1,7 @@
-"""Shards on this machine's disk: fetched whole by app/catalog/fetcher.py (once per machine,
-under its lock), indexed once, shared by every process of the machine (ranks and loaders).
-
-A shard's folder in the cache, `shards/<16 hex digits of its URL's sha256>/`, holds the fetched
-tar (or the image bytes unpacked from a parquet file, `<name>.images`) and its index
-(`<name>.index.npz`, app/catalog/shard_index.py), made under the shard's lock by whoever needs
-it first. Local tars are read where they are (only their index is written here). The shards of
-a cache folder are bounded (`cache_max_gb`): the reader evicts the least recently opened shards
-outside the current and next windows (app/data/shard_reader.py).
+"""Shards on this machine's disk: fetched whole (app/catalog/fetcher.py) and indexed once, under
+the shard's lock, by whichever process of the machine needs one first; a local tar is read where
+it is. A cache folder's shards are bounded (`cache_max_gb`): the reader evicts the least
+recently opened outside the current and next windows (app/data/shard_reader.py).
 """
 
 from __future__ import annotations
@@ -60,8 +55,8 @@ class ShardStore:
         return self.index_path(shard).is_file() and self.data_path(shard).is_file()
 
     def open(self, shard: str, wait: bool = True) -> LocalShard | None:
-        """The shard on local disk, fetched and indexed first if needed (waiting while another
-        process does it); None when `wait` is False and another process is at it."""
+        """The shard on local disk, made first if need be; None if `wait` is False and another
+        process is making it (else it waits)."""
         if not self.ready(shard):
             with lock(self.index_path(shard), self.root.describe(shard), wait=wait) as held:
                 if not held:
@@ -89,10 +84,9 @@ class ShardStore:
         index.save(index_file)  # last: `ready` needs it
 
     def fetch(self, shard: str) -> Path:
-        """The whole shard in the cache. Our one layer of retries (app/catalog/retry.py): a shard
-        cannot be skipped like an image, so a fetch that failed after the client's own tries is
-        tried again whole: a cut download goes on where it stopped, and a listed shard answered
-        404 (a bucket being synced) is asked for again."""
+        """The whole shard in the cache, with our one layer of retries (app/catalog/retry.py): a
+        shard cannot be skipped like an image, so a failed fetch is tried again whole (a cut one
+        continued, a listed shard answered 404 by a bucket being synced asked for again)."""
         try:
             return retried(lambda: fetch(self.root, SHARDS, shard, cache=self.cache), FetchError)
         except FetchError as error:
@@ -103,15 +97,13 @@ class ShardStore:
                              f"that it is readable, then {RESUME}") from None
 
     def data_files(self) -> list[Path]:
-        """The fetched and unpacked shards of the cache folder, every dataset's: its bound is
-        the folder's."""
+        """Every dataset's fetched and unpacked shards: the bound is the cache folder's."""
         return [file for file in self.folder.glob("*/*") if file.is_file()
                 and not file.name.startswith(".") and not file.name.endswith(NOT_DATA)]
 
     def evict(self, keep: set[str]) -> None:
-        """Remove the least recently opened shards not in `keep` until the cache folder's shards
-        fit its bound (indices are small and stay). A reader that has one open keeps reading
-        it."""
+        """Remove the least recently opened shards not in `keep` until the folder's fit its bound
+        (indices are small and stay). A reader that has one open keeps reading it."""
         if self.in_place:
             return
         files = [(file.stat(), file) for file in self.data_files()]
@@ -123,7 +115,6 @@ class ShardStore:
             if file.parent not in protected:
                 file.unlink(missing_ok=True)
                 used -= status.st_size
-
 
 
 def _beside(path: Path, suffix: str) -> Path:

@@ -1,24 +1,15 @@
 """bin/make_shards.py: any catalog entry (Kaggle, ImageFolder; local, S3, any URL) written as
 shards in the forms the shard layouts read (app/catalog/shards.py), Hugging Face's own:
 
-- wds: `imagenet1k-{train,validation}-NNNN.tar` with `KEY.jpg` (the image's bytes as they are:
-  nothing is re-encoded; `.png` etc. for images of another format), `KEY.cls` (the class
-  index) and `KEY.json` (the source's path) per sample, and `_info.json` with each split's
-  shards and their sample counts (timm's form). KEY is the split and the sample's place in the
-  split's order (`train_00001234`): readers cut a member's name at its first dot, so a key
-  made from a file name (`photo.2020.jpg`, or `n01_1.JPEG` in two class folders) would split
-  or merge samples;
-- parquet: `data/{train,validation}-NNNNN-of-NNNNN.parquet` with `image` = struct<bytes, path>
-  (the source's relative path) and `label` (int64), and the `datasets` library's feature
-  metadata (Image, ClassLabel).
+- wds: `imagenet1k-{train,validation}-NNNN.tar` and timm's `_info.json`. A sample's KEY is its
+  split and place (`train_00001234`): readers cut a member's name at its first dot, so a key
+  made from a file name (`photo.2020.jpg`) would split or merge samples;
+- parquet: `data/{train,validation}-NNNNN-of-NNNNN.parquet`, with the `datasets` library's
+  feature metadata (Image, ClassLabel).
 
-The class index is the entry's label (its LOC_synset_mapping.txt order: for ImageNet the sorted
-wnids), and LOC_synset_mapping.txt is written beside the shards, so their classes keep their
-names. Samples are shuffled across shards with a fixed seed (as Hugging Face's copies are), so
-every window of shards holds a mix of classes. The plan (order, samples per shard) is a
-function of the dataset and the arguments, written first: a killed run, started again with
-the same arguments, keeps the shards it finished, removes the temporary file of the one it was
-writing and writes the others.
+Samples are shuffled across shards with a fixed seed, so every window of shards holds a mix of
+classes. The plan (order, samples per shard) is written first: a killed run, started again with
+the same arguments, keeps the shards it finished and writes the others.
 """
 
 from __future__ import annotations
@@ -192,8 +183,7 @@ def write_tar(path: Path, samples: list[Sample], wnids: list[str]) -> None:
 
 
 def image_extension(source: str) -> str:
-    """The member's extension: the source's own for an image format webdataset decodes
-    (`.png` stays `.png`), `jpg` for JPEG as timm's copies name it."""
+    """The source's own for an image format webdataset decodes, `jpg` for JPEG (as timm's)."""
     suffix = PurePosixPath(source).suffix.lower().lstrip(".")
     return suffix if suffix in IMAGE_EXTENSIONS and suffix != "jpeg" else "jpg"
 
@@ -227,6 +217,3 @@ def write_info(out: Path, names: dict[str, list[str]]) -> None:
                                       "shard_lengths": lengths, "num_samples": sum(lengths)}
     write_atomically(out / INFO_FILE, json.dumps({"name": "imagenet-1k", "splits": splits},
                                                  indent=1))
-
-
-

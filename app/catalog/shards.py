@@ -1,22 +1,13 @@
-"""The shard layouts -> labelled frames: ImageNet as Hugging Face publishes it.
+"""The shard layouts -> labelled frames: ImageNet as Hugging Face publishes it, `wds` (WebDataset
+tars as timm/imagenet-1k-wds, with `_info.json` giving each split's shards and sample counts) and
+`parquet` (imagenet-1k's files: columns `image` = struct<bytes, path> and `label`).
 
-- `wds`: WebDataset tars as timm/imagenet-1k-wds (`imagenet1k-train-NNNN.tar`,
-  `imagenet1k-validation-NN.tar`; per sample `KEY.jpg`, `KEY.cls` with the class index,
-  `KEY.json`), with `_info.json` listing each split's shards and their sample counts.
-- `parquet`: imagenet-1k's files (`data/train-*.parquet`, `data/validation-*.parquet`;
-  columns `image` = struct<bytes, path> and `label`).
-
-An entry's `train_shards` / `val_shards` (glob patterns relative to the root) override the
-default names. A frame has one row per sample, grouped by shard in the split's order: `path`
-is `SHARD#N` (the N-th sample of SHARD, from 0: what skipped.tsv names), `shard` the shard's
-position in the split, `label` the selected class's index (-1 where the shard's own index is
-still to be read: then every class is selected and the shard's class index is the label).
-
-Class indices are the shard's: the order of LOC_synset_mapping.txt when the root has one, else
-ImageNet-1k's sorted wnids (app/catalog/imagenet_classes.py). The labels are read ahead of
-training only where they are cheap or needed: a parquet file's `label` column always; a tar's
-`.cls` members (a scan of its headers, fetching the shard if it is remote, kept in the local
-cache) only when no `_info.json` gives the counts or `--classes` selects a subset.
+A frame has a row per sample, grouped by shard in split order: `path` is `SHARD#N` (from 0: what
+skipped.tsv names), `shard` the shard's position, `label` the selected class's index, or -1 where
+the shard's is still to be read (every class is selected: the shard's index is the label).
+Labels are read ahead of training only where cheap or needed: a parquet file's `label` column
+always; a tar's `.cls` members (fetching a remote shard) only when no `_info.json` gives the
+counts or `--classes` selects a subset.
 """
 
 from __future__ import annotations
@@ -131,7 +122,6 @@ def info_counts(names: list[str], info_split: dict | None) -> list[int] | None:
 
 def shard_labels(root: DatasetRoot, names: list[str], report: Callable[[str], None] | None
                  ) -> list[np.ndarray]:
-    """Each shard's class indices, read from the shards themselves."""
     if root.layout == "parquet":
         labels = []
         for name in names:

@@ -1,8 +1,6 @@
-"""Smaller copies of images, for `bin/make_shards.py --shorter-side N`: each image's shorter side
-brought down to N px, as fast.ai made its imagenette2-160 and -320 archives, so that a copy for
-a short run, or for a machine with little disk or bandwidth, weighs a fraction of the original.
-Images already that small, and bytes Pillow cannot decode (the trainer's decoders skip and
-list those, as they would the original), stay as they are."""
+"""Smaller copies of images for `bin/make_shards.py --shorter-side N` (as fast.ai made its
+imagenette2-160 and -320): the shorter side brought down to N px. Images already that small, and
+bytes Pillow cannot decode (the trainer skips and lists those), stay as they are."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Images that could not be read or decoded: listed in runs/<run>/skipped.tsv as they are found,
-and bounded by --max-bad-fraction.
-
-Every worker appends its own rows the moment a batch reports them, each batch's rows with one
-write() on a file opened O_APPEND (the kernel keeps such writes whole and in one piece on a
-local filesystem), so a crash loses no row and no row is torn. The header is written once,
-before any worker starts (app/launch/run.py), so the file is readable by pandas or csv at any time.
-A run resumed from a checkpoint may list an image again for the steps it repeats.
+and bounded by --max-bad-fraction. Each worker appends each batch's rows with one write() on a
+file opened O_APPEND (kept whole on a local filesystem), so a crash loses or tears no row. A
+resumed run may list an image again for the steps it repeats.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""A dataset's root folder, or any other location (a run folder, a checkpoint), on any fsspec
-filesystem (local path, file://, s3://, gs://, az://, memory://, ...), and the object-store
-client that reads its images.
-
-The one place that turns a URL into clients: everything below the catalog (tables, readers,
-pre-flight checks) reads through a DatasetRoot and never sees credentials or clients' options.
-Listing and the tables go through fsspec (s3fs for s3://; obstore's fsspec adapter for gs://
-and az://, so those need no further package); the per-image GETs of object stores go through
-obstore (app/data/object_store.py) unless the catalog entry says `reader = "s3fs"`.
+"""A dataset's root folder or any other location at a local path or fsspec URL, and its clients:
+the one place that turns a URL into clients, so nothing below the catalog sees credentials or
+clients' options. Listing and tables go through fsspec (obstore's adapter for gs:// and az://),
+object stores' per-image GETs through obstore unless the entry says `reader = "s3fs"`.
 """
 
 from __future__ import annotations
@@ -34,9 +29,8 @@ OBJECT_STORE_TIMEOUTS = {"connect_timeout": "5s", "timeout": "30s"}  # no reques
 
 
 class Location:
-    """Anything at a local path or any fsspec URL (a run folder, a checkpoint, a model, an
-    archive), and the clients that read it. Picklable: the clients are created lazily in each
-    process that uses them (they must not cross a fork)."""
+    """Anything at a local path or fsspec URL, and its clients. Picklable: the clients are made
+    lazily in each process that uses them (they must not cross a fork)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  store_options: dict[str, Any] | None = None):
@@ -84,9 +78,8 @@ class Location:
         return [self._relative(p) for p in self.fs.find(self.path(relative))]
 
     def _relative(self, listed: str) -> str:
-        """A listed name relative to the root, as listed: not normalised, so a name with '..'
-        in it stays visible to the checks of the tables instead of turning into another
-        path."""
+        """Not normalised: a listed name with '..' stays visible to the tables' checks instead
+        of turning into another path."""
         prefix = self.root.rstrip("/") + "/"
         listed = listed.rstrip("/")
         return listed[len(prefix):] if listed.startswith(prefix) else posixpath.relpath(
@@ -116,8 +109,7 @@ class DatasetRoot(Location):
         return self.options.get("reader", "obstore")
 
     def find_with_folders(self, relative: str) -> tuple[list[str], list[str]]:
-        """(files, folders) below `relative`, relative to the root; folders include empty ones
-        where the filesystem has folders of their own (local disks do, object stores do not)."""
+        """(files, folders) below `relative`; empty folders only where the filesystem has any."""
         found = self.fs.find(self.path(relative), withdirs=True, detail=True)
         files, folders = [], []
         for name, info in found.items():
@@ -125,8 +117,7 @@ class DatasetRoot(Location):
         return sorted(files), sorted(folders)
 
     def read_many(self, paths: list[str], concurrency: int) -> dict[str, bytes | BaseException]:
-        """Each file's bytes, or the error its read met, in one round of fsspec's batched `cat`
-        (`concurrency` reads at once where the filesystem is asynchronous, as s3fs is)."""
+        """Each file's bytes, or its read's error, by one batched fsspec `cat`."""
         fs = self.fs
         full = {fs._strip_protocol(self.path(p)): p for p in paths}  # noqa: SLF001 (cat's keys)
         options = {"batch_size": concurrency} if getattr(fs, "async_impl", False) else {}
@@ -137,8 +128,7 @@ class DatasetRoot(Location):
 
 
 def default_cache_dir() -> Path:
-    """Where generated samples and fetched files (app/catalog/fetcher.py) go unless an entry
-    says `cache_dir`."""
+    """Where samples and fetched files go unless an entry says `cache_dir`."""
     env = os.environ.get("IMAGENET_DP_CACHE")
     if env:
         return Path(env)
@@ -175,7 +165,7 @@ def _open_filesystem(url: str, options: dict[str, Any], store_options: dict[str,
         raise UserError(f"cannot open {url}: {error}; install the package it names") from None
     except ValueError as error:
         raise UserError(f"cannot open {url}: {error}") from None
-    if OBJECT_STORE_SCHEMES.get(scheme_of(url)) == "s3":  # s3fs: an attribute, not an argument
+    if store == "s3":  # s3fs: an attribute, not an argument
         fs.retries = S3FS_RETRIES
     return fs, root
 
@@ -194,10 +184,8 @@ def _object_store(url: str, store_options: dict[str, Any]):
 
 
 def _store_settings(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
-    """obstore keyword arguments from the entry's settings. Credentials come from each store's
-    own chain, never from here: AWS through boto3 (environment, `profile`, ~/.aws, SSO, instance
-    and container roles), Google's application default credentials, Azure's environment and
-    managed identity."""
+    """obstore keyword arguments from the entry's settings; credentials come from each store's
+    own chain (boto3's for AWS, Google's default credentials, Azure's environment), never here."""
     endpoint = options.get("endpoint_url", "")
     client = {**OBJECT_STORE_TIMEOUTS, "allow_http": endpoint.startswith("http://")}
     settings: dict[str, Any] = {"client_options": client, "retry_config": OBSTORE_RETRY}

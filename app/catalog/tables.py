@@ -1,9 +1,6 @@
-"""Dataset tables -> labelled frames of (path relative to the root, label), for the dataset's
-layout: Kaggle's tables here, one folder per class in app/catalog/imagefolder.py.
-
-Kaggle layout: labels follow the order of LOC_synset_mapping.txt (restricted to the selected
-classes), which is the order every ImageNet model's class index uses. Every path is checked to
-stay inside the dataset root before anything is read.
+"""Dataset tables -> labelled frames [path relative to the root, label] for any layout: Kaggle's
+here (labels in LOC_synset_mapping.txt's order, every ImageNet model's), the others in
+imagefolder.py and shards.py. Every path is checked to stay inside the root before any read.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from app.catalog.labels import (SAFE_ID, SAFE_NAME, SYNSET_MAPPING, Classes, Cla
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.runtime.errors import UserError
 
-# The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge),
-# with LOC_synset_mapping.txt (app/catalog/labels.py) beside the CSVs.
+# The Kaggle layout (kaggle competitions download -c imagenet-object-localization-challenge)
 TRAIN_DIR = "ILSVRC/Data/CLS-LOC/train"
 VAL_DIR = "ILSVRC/Data/CLS-LOC/val"
 TRAIN_CLS = "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"
@@ -35,8 +31,7 @@ SOLUTION_COLUMNS = ["ImageId", "PredictionString"]
 
 
 def load_tables(root: DatasetRoot, classes: Classes = 0, train_index: str = "cls") -> Tables:
-    """The labelled train and val frames of the dataset, whatever its layout (`train_index`
-    chooses the Kaggle layout's train list; one folder per class is always listed)."""
+    """The labelled train and val frames, whatever the layout (`train_index`: Kaggle's list)."""
     if root.layout == "imagefolder":
         return imagefolder.load_tables(root, classes)
     if root.layout in SHARD_LAYOUTS:
@@ -107,13 +102,11 @@ def train_cls_list(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
     wnid = entries.str.split("/").str[0]
     frame = pd.DataFrame({"wnid": wnid, "path": TRAIN_DIR + "/" + entries + IMAGE_SUFFIX,
                           "line": lines})
-    return finish(_label_rows(frame, root, TRAIN_CLS, class_index(root, classes)),
-                  root.describe(TRAIN_CLS))
+    return finish(_label_rows(frame, root, TRAIN_CLS, classes), root.describe(TRAIN_CLS))
 
 
 def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
-    """All train images by listing the class folders (slow on object stores: one LIST per
-    1,000 objects)."""
+    """All train images, by listing the class folders (slow on object stores)."""
     if not root.exists(TRAIN_DIR):
         raise UserError(f"dataset '{root.name}': folder {root.describe(TRAIN_DIR)} not found")
     paths = pd.Series(sorted(p for p in root.find(TRAIN_DIR)
@@ -121,8 +114,7 @@ def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
     check_listed(paths, root.describe(TRAIN_DIR))
     parts = paths.str.split("/")
     frame = pd.DataFrame({"wnid": parts.str[-2], "path": paths, "line": 0})
-    return finish(_label_rows(frame, root, TRAIN_DIR, class_index(root, classes)),
-                  root.describe(TRAIN_DIR))
+    return finish(_label_rows(frame, root, TRAIN_DIR, classes), root.describe(TRAIN_DIR))
 
 
 def _solutions(root: DatasetRoot, table: str, index: ClassIndex) -> pd.DataFrame:
@@ -147,9 +139,10 @@ def _solutions(root: DatasetRoot, table: str, index: ClassIndex) -> pd.DataFrame
     return _label_rows(frame, root, table, index)
 
 
-def _label_rows(frame: pd.DataFrame, root: DatasetRoot, table: str, index: ClassIndex
+def _label_rows(frame: pd.DataFrame, root: DatasetRoot, table: str, classes: Classes
                 ) -> pd.DataFrame:
     """Check every wnid against the full mapping, keep the selected classes, add labels."""
+    index = class_index(root, classes)
     unknown = ~frame.wnid.isin(index.known)
     if unknown.any():
         row = frame[unknown].iloc[0]

@@ -1,20 +1,15 @@
 """The run folder's upload process: what the run saves goes to its bucket as it is saved.
 
-The run writes its folder locally and says what it wrote on this process's inbox (`Uploads`,
-carried by the job to the primary): a checkpoint and the names now pointing at it (last.pt,
-best.pt); at the start, an epoch's end and the run's end, the record (metrics.jsonl, curves.png,
-config.toml, a logger's folder). Nothing is scanned or polled: the process waits for a message,
-or for the next try of a failed request. The newest checkpoint goes first (at a preemption the
-stop's matters), then the record, then older ones. step-N.pt goes up under its own name (an
-object store shows an object once all its bytes are there), and only then do the bucket's
-last.pt and best.pt become copies of it and its step files beyond --keep go: a process killed
-at any moment leaves the bucket's last.pt naming a whole checkpoint.
+The run tells this process's inbox (`Uploads`) what it wrote: a checkpoint and the names now
+pointing at it (last.pt, best.pt), or the record (metrics.jsonl, ...). The newest checkpoint
+goes first (at a preemption the stop's matters), then the record, then older ones. step-N.pt
+goes up under its own name before the bucket's last.pt and best.pt become copies of it, so a
+process killed at any moment leaves last.pt naming a whole checkpoint.
 
-A process, so that an upload's Python work never holds the training's interpreter lock; at the
-training's priority (`bin/bench.py upload-lag`: at niceness 19 a 189 MB save on busy cores
-reached last.pt 10.9x later than on an idle machine, at 0 2.5x); spawned, without torch. It dies
-with the driver and ignores stop signals (Slurm and a shutdown signal every process): its last
-uploads are what the driver asks for then, within --stop-timeout.
+A process, so that uploads never hold the training's interpreter lock, at the training's
+priority (a lower one starves it on busy cores: docs/benchmarks.md, upload-lag); spawned,
+without torch. It dies with the driver and ignores stop signals (Slurm signals every process):
+its last uploads are what the driver asks for within --stop-timeout.
 """
 
 from __future__ import annotations
@@ -70,8 +65,8 @@ class Mirrored:
 
 
 class Uploads:
-    """The saving side's end of the inbox: a pipe's write end, carried by the job. A message is
-    one small write, read at once whatever is uploading: no step waits for an upload."""
+    """The saving side's end of the inbox (a pipe, carried by the job): a message is one small
+    write, read at once whatever is uploading, so no step waits for an upload."""
 
     def __init__(self, local: Path, connection: Connection):
         self.local, self.connection = Path(local), connection
@@ -195,8 +190,7 @@ class Uploader:
         self.busy_s = 0.0  # seconds spent in uploads
 
     def start(self) -> "Uploader":
-        """What the bucket holds: step files of an earlier session (pruned as this one saves),
-        record files at their local size (an earlier attempt on this machine)."""
+        """What the bucket holds: earlier sessions' step files, record files at their local size."""
         try:
             listed = self.remote.sizes()
         except request_errors():  # the first upload says what fails

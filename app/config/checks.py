@@ -44,8 +44,7 @@ def validate(config: Config, spell: Spelling = flag_spelling) -> None:
     kinds = {device.split(":")[0] for device in config.parallel.devices}
     if {"cpu", "cuda"} <= kinds:
         # Replicas on both would step in different precisions and kernels (they must stay
-        # bit-identical), and the parameter server keeps order with CUDA events that a CPU
-        # worker does not have.
+        # bit-identical), and the parameter server orders with CUDA events a CPU worker lacks.
         raise UserError(f"--devices {','.join(config.parallel.devices)} mixes CPU and CUDA "
                         "devices; give all cuda:N or all cpu")
 

@@ -1,10 +1,6 @@
-"""The run configuration: one typed dataclass tree, filled from defaults, a TOML file and flags.
-
-Every parameter is declared once: type, default, help, its range check and any short or
-pytorch/examples-style alias. Its flag is its key (`optim.weight_decay` -> --weight-decay); the
-TOML sections and the command line are two ways to fill the same tree.
-Precedence: flags > file > defaults (app/config/sources.py reads the file and the flags;
-app/config/checks.py checks the ranges and the rules that involve several parameters).
+"""The run configuration: one typed dataclass tree, filled from defaults, a TOML file and flags
+(flags > file > defaults: sources.py). Every parameter is declared once (type, default, help,
+range check, aliases); its flag is its key (`optim.weight_decay` -> --weight-decay).
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ def positive() -> Check:
 
 
 def between(low: float, high: float) -> Check:
-    """low <= value < high."""
     return (lambda v: low <= v < high, f"must be in [{low:g}, {high:g})")
 
 
@@ -130,8 +125,7 @@ class ModelConfig:
         "(3x3 stem, no max-pool, for low-resolution images)", "-a")
     norm: str = param("batch", "normalisation layers: batch (BatchNorm) or group (GroupNorm, "
                       "independent of the batch split)", choices=("batch", "group"))
-    # timm's own model options (app/models/factory.py); its ResNets keep their zero-init of each
-    # block's last BatchNorm, which --model-kwargs zero_init_last=False turns off.
+    # timm's own model options (app/models/factory.py)
     drop_path: float = param(0.0, "stochastic depth: timm's drop_path_rate, the drop rate of "
                              "the last block (rising linearly from 0 over the blocks)",
                              check=between(0, 1))
@@ -299,12 +293,10 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    # metrics.jsonl and curves.png are part of every run's outputs, not a choice.
     loggers: list[str] = param(
         ["console"], "comma-separated loggers: console, tensorboard, wandb (metrics.jsonl and "
         "curves.png are always written)", "--logger",
         choices=("console", "tensorboard", "wandb"))  # app/loggers LOGGERS
-    # Empty wandb settings defer to wandb's own environment variables (WANDB_PROJECT, ...).
     wandb_project: str = param("", "wandb project (default: $WANDB_PROJECT, else imagenet-dp)")
     wandb_entity: str = param("", "wandb entity, a user or team (default: $WANDB_ENTITY)")
     wandb_mode: str = param("", "wandb mode (default: $WANDB_MODE, else online)",

@@ -1,7 +1,6 @@
-"""Where a run config's values come from: the declared defaults (app/config/schema.py), a TOML file
-(--config FILE) and the command line, in that order of precedence. Values are checked against
-their declared types and ranges; a mistake is one UserError naming the file or flag and key.
-"""
+"""Where a run config's values come from: the declared defaults (app/config/schema.py), a TOML
+file (--config FILE) and the command line, in that order of precedence, each checked against
+its declared type and range; a mistake is one UserError naming the file or flag and key."""
 
 from __future__ import annotations
 
@@ -24,8 +23,6 @@ def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {name: hints[name] for name in SECTIONS}
 
-
-# --- coercion: TOML values and flag strings into the declared types -----------------------
 
 def _coerce(value: Any, kind: Any, where: str, choices: tuple | None) -> Any:
     """Check (and for flag strings, convert) one value against its declared type."""
@@ -72,8 +69,6 @@ def _describe(kind: Any) -> str:
     return names.get(kind, "a list of strings")
 
 
-# --- TOML file --------------------------------------------------------------------------
-
 def file_overrides(path: str) -> dict[tuple[str, str], Any]:
     data = read_toml(path, "run config")
     overrides = {}
@@ -93,8 +88,6 @@ def file_overrides(path: str) -> dict[tuple[str, str], Any]:
             overrides[(section, key)] = value
     return overrides
 
-
-# --- command line -----------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags for every declared parameter; defaults are SUPPRESSed so only given flags count."""
@@ -179,8 +172,6 @@ def dump_toml(config: Config) -> str:
     return tomli_w.dumps(config.to_dict())
 
 
-# --- keywords (the Python API) ------------------------------------------------------------
-
 def keyword_names() -> dict[str, tuple[str, str]]:
     """Keyword -> (section, key): each key by its name, and by its flag's (run_name)."""
     names = {}
@@ -194,9 +185,8 @@ def keyword_names() -> dict[str, tuple[str, str]]:
 def config_from_keywords(keywords: dict[str, Any], file: str = "", caller: str = "",
                          ignore: Collection[tuple[str, str]] = (),
                          spell: Spelling = flag_spelling) -> Config:
-    """Defaults, then the TOML `file` (less its keys in `ignore`), then `keywords`: the Python
-    API's counterpart of parse_config, checked by the same rules, its messages naming settings
-    as `spell` writes them. An unknown keyword names the nearest known one."""
+    """parse_config for the Python API: defaults, the TOML `file` (less its keys in `ignore`),
+    then `keywords`; the messages name settings as `spell` writes them."""
     known = keyword_names()
     overrides = file_overrides(file) if file else {}
     overrides = {key: value for key, value in overrides.items() if key not in ignore}

@@ -1,6 +1,5 @@
-"""After training: predict (classes of images), export (timm's local-dir form, ONNX) and
-validate (top-1/top-5 of a saved model over a val split), all from a saved model opened once
-(model_files).
+"""After training: predict (classes of images), export (timm's local-dir form, ONNX) and validate
+(top-1/top-5 over a val split), each from a saved model opened by model_files.
 
 Imports the packages below it; validate runs the driver's evaluation (app.launch.run), which
 puts this package above launch. Never the training loop's internals.

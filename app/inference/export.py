@@ -1,11 +1,7 @@
 """A checkpoint -> a folder that the tools serving models take: model.safetensors and
 config.json in timm's local-dir form (`timm.create_model("local-dir:DIR", pretrained=True)`
-loads it), and optionally model.onnx for ONNX Runtime.
-
-config.json carries timm's pretrained config (input size, crop_pct, interpolation, mean, std)
-and the class names as timm's ImageNet models have them: `label_names` (wnids in class-index
-order) and `label_descriptions` (wnid -> words). Its `imagenet_dp` section holds what timm's
-fields cannot say (the _small stem, GroupNorm), so our own tools rebuild any model from it.
+loads it), and optionally model.onnx for ONNX Runtime. config.json's `imagenet_dp` section holds
+what timm's fields cannot say (the _small stem, GroupNorm), so our own tools rebuild any model.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ CHATTY_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx")
 
 def export(location: str, out_dir: str | Path, ema: bool = False, onnx: bool = False,
            report: Callable[[str], None] = print) -> list[Path]:
-    """Write the export of the checkpoint (or export folder) at `location`; returns the
-    files written. `report` hears what timm cannot rebuild, if anything."""
+    """Export the checkpoint (or export folder) at `location`; returns the files written."""
     return export_model(open_model(location, ema), out_dir, ema, onnx, report)
 
 
@@ -124,8 +119,7 @@ def timm_caveat(spec: ModelSpec) -> str:
 
 
 def write_onnx(model: nn.Module, size: int, path: Path) -> Path:
-    """model.onnx with a dynamic batch dimension, float32 in and out, logits (no softmax), as
-    ONNX Runtime serves it. torch's exporter (torch.export, onnxscript) writes it."""
+    """model.onnx: a dynamic batch, float32 in, logits (no softmax) out; torch.export writes it."""
     example = torch.randn(ONNX_EXAMPLE_BATCH, 3, size, size)
     batch = torch.export.Dim("batch", min=1)
     quiet = [logging.getLogger(name) for name in CHATTY_LOGGERS]

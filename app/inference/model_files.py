@@ -1,8 +1,6 @@
 """A checkpoint or an export folder -> the model (eval mode, its weights loaded), its eval
-transform and what its class indices mean: what predict, export and validate share.
-
-Plain state dicts are refused here: they do not say which model they are (--pretrained takes
-them, with --arch).
+transform and what its class indices mean: what predict, export and validate share. Plain state
+dicts are refused: they do not say which model they are (--pretrained takes them, with --arch).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ class LoadedModel:
 
 
 def build(spec: ModelSpec) -> nn.Module:
-    """The model of `spec`, freshly initialised."""
     return create_model(spec.arch, spec.num_classes, spec.norm,
                         model_kwargs=parse_model_kwargs(list(spec.model_kwargs)))
 

@@ -1,10 +1,6 @@
-"""Classify images with a trained model (a checkpoint or an export folder): the top-k classes
-of each image, named by their wnids and words.
-
-Images get the model's own validation transform, computed by the code the evaluation runs
-(app/data: the centre crop box, Pillow's antialiased bilinear resize, mean/std as the device
-applies them), so an image the evaluation rated correctly is predicted the same way here.
-A file that cannot be read or decoded is reported and the others are still classified.
+"""Classify images with a trained model (a checkpoint or an export folder): the top-k classes of
+each image, by wnid and words. Images get the model's validation transform by the evaluation's
+own code (app/data), so an image the evaluation rated correctly is predicted the same way here.
 """
 
 from __future__ import annotations
@@ -129,7 +125,6 @@ def load(location: str, transform: Transform) -> torch.Tensor | Failure:
 def predict(runner: Runner, files: list[str], transform: Transform, k: int = 5,
             batch_size: int = 64, threads: int = DECODE_THREADS
             ) -> Iterator[Prediction | Failure]:
-    """Predictions (or failures) for `files`, in their order, `batch_size` at a time."""
     with ThreadPoolExecutor(threads) as pool:
         for start in range(0, len(files), batch_size):
             chunk = files[start:start + batch_size]

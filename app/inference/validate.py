@@ -1,11 +1,7 @@
-"""bin/validate.py: top-1/top-5 of a checkpoint or an export over a dataset's whole val split.
-
-Not a second evaluation loop: it runs the driver's own (`driver.py -e`: every worker its own
-slice, counts summed, --val-flip-tta, the Pillow or DALI pipeline), set up from the model's
-files instead of flags the user would have to repeat: its architecture, its classes (the
-dataset's are selected and ordered as the model's; a model that knows other classes than the
-dataset has is refused) and its validation resize and crop. The weights go in as
---pretrained, so a checkpoint and an export are read the same way.
+"""bin/validate.py: top-1/top-5 of a checkpoint or an export over a dataset's whole val split, by
+the driver's own evaluation (`driver.py -e`) set up from the model's files (architecture,
+classes, validation resize and crop); the weights go in as --pretrained, so a checkpoint and an
+export are read the same way.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The networks: the model factory by name (factory: timm's and torchvision's ResNets and
-friends), reading saved models of every kind we take (saved_weights: our checkpoints and exports,
-timm's and torchvision's state dicts) and matching them to a new model (pretrained).
+"""The networks: the model factory by name (factory), reading saved models of every kind we take
+(saved_weights) and matching them to a new model (pretrained).
 
 Imports only app.runtime, app.config, app.catalog and app.data. No face here: the factory
 imports timm, which alone takes seconds, and the driver must not pay for it.

@@ -1,11 +1,7 @@
 """Models by name: any timm model, plus `<resnet>_small` variants for low-resolution images.
-
-Options reach timm.create_model as its own keyword arguments: --drop-path is its
-drop_path_rate (stochastic depth, rising linearly over the blocks), --model-kwargs any other
-(`aa_layer=blurpool` for anti-aliased downsampling). timm's ResNets start with the last
-BatchNorm of each residual block at zero (its zero_init_last=True): each block begins as the
-identity, as in Goyal et al. and torchvision's recipes; `zero_init_last=False` turns it off.
-"""
+Options reach timm.create_model as its own keyword arguments (--drop-path: drop_path_rate;
+--model-kwargs: any other), so timm's defaults hold, such as its ResNets' zero-initialised last
+BatchNorm of each block (each block begins as the identity, as in Goyal et al.)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ SMALL_SUFFIX = "_small"
 
 
 def group_norm(channels: int, **factory) -> nn.GroupNorm:
-    """GroupNorm with up to 32 groups: its output does not depend on how a batch is split.
-    `factory` takes timm's device/dtype arguments."""
+    """Up to 32 groups: its output does not depend on how a batch is split."""
     return nn.GroupNorm(math.gcd(32, channels), channels, **factory)
 
 
@@ -36,9 +31,8 @@ NORM_LAYERS = {"batch": None, "group": group_norm}  # None: the model's own (Bat
 
 
 def parse_model_kwargs(items: list[str]) -> dict[str, Any]:
-    """`key=value` items -> keyword arguments, as timm's train.py reads its --model-kwargs:
-    a value is a Python literal where it is one (0.1, True, None, (2, 2)), else a string
-    (blurpool)."""
+    """`key=value` items -> keyword arguments, as timm's train.py reads its --model-kwargs: a
+    Python literal where the value is one (0.1, True, None, (2, 2)), else a string (blurpool)."""
     kwargs = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -66,11 +60,8 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def create_model_from_config(config: ModelConfig, num_classes: int,
                              with_pretrained: bool = True) -> nn.Module:
-    """The run's model; with --pretrained, loaded from those weights (app/models/pretrained.py:
-    the driver checked them and reported a re-initialised classifier before any worker
-    started, so here it happens silently, the same on every worker). A resumed run passes
-    `with_pretrained=False`: its checkpoint holds the weights, so the source is not read
-    again (and need not exist any more)."""
+    """The run's model; with --pretrained, loaded silently (the driver checked the weights). A
+    resumed run passes `with_pretrained=False`: its checkpoint holds the weights."""
     model = create_model(config.arch, num_classes, config.norm, drop_path=config.drop_path,
                          model_kwargs=parse_model_kwargs(config.model_kwargs))
     if config.pretrained and with_pretrained:
@@ -80,9 +71,8 @@ def create_model_from_config(config: ModelConfig, num_classes: int,
 
 def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path: float = 0.0,
                  model_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """A freshly initialised model. `resnet18_small` (or any plain timm ResNet + `_small`) has
-    a 3x3 stride-1 stem and no max-pool, as CIFAR-style ResNets use for 32-64 px inputs; its
-    state_dict keys are those of the timm ResNet it is made from."""
+    """A freshly initialised model. `<resnet>_small` has a 3x3 stride-1 stem and no max-pool, as
+    CIFAR-style ResNets for 32-64 px inputs; its state_dict keys are its timm ResNet's."""
     import timm  # noqa: PLC0415 (seconds to import: only where a model is built by name)
     from timm.models.resnet import ResNet  # noqa: PLC0415
     base = name.removesuffix(SMALL_SUFFIX)
@@ -120,8 +110,7 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
 
 def rejected_option(name: str, norm: str, user: dict[str, Any], error: TypeError
                     ) -> str | None:
-    """The one-line message for an option the model's constructor refused (a TypeError);
-    None when the user chose no option."""
+    """The message for an option the model's constructor refused; None if the user chose none."""
     found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
     key = found.group(1) if found else ""
     if key in user:

@@ -1,10 +1,7 @@
 """--pretrained: a new run (epoch 0, a fresh optimizer) that starts from saved weights, unlike
---resume, which continues one.
-
-Keys are matched by name and shape. The classifier is the one part allowed to differ: when the
-class count differs (or the weights have no classifier) it keeps the fresh initialisation the
-model got under the run's seed, so every worker starts from the same weights without sending
-them anywhere. Anything else that does not match is a UserError naming the first key.
+--resume, which continues one. Keys are matched by name and shape; only the classifier may
+differ (another class count, or none saved): it then keeps the fresh initialisation under the
+run's seed, so every worker starts from the same weights without sending them anywhere.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ def match(target: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
 
 def load_pretrained(model: nn.Module, source: str,
                     report: Callable[[str], None] | None = None) -> SavedWeights:
-    """Load `source`'s weights into the freshly initialised `model`; `report` gets the one
-    line that says the classifier was re-initialised, if it was."""
+    """`source`'s weights into `model`; `report` hears of a re-initialised classifier."""
     saved = saved_weights.read(source)
     where = source + (f" ({saved.spec.arch})" if saved.spec else "")
     state = model.state_dict()
@@ -87,10 +83,8 @@ def load_pretrained(model: nn.Module, source: str,
 
 def check(model: nn.Module, source: str, wnids: list[str], evaluate: bool,
           report: Callable[[str], None]) -> str | None:
-    """Before any worker starts: the weights fit `model` (else one UserError) and the
-    classifier line is reported once. A classifier kept for classes other than the dataset's
-    is an error when only evaluating (every label would be wrong); when training, the
-    returned warning says so."""
+    """Before any worker starts: the weights fit `model` (else a UserError). A classifier of other
+    classes than the dataset's is an error when evaluating, else the returned warning."""
     saved = load_pretrained(model, source, report)
     names = list(saved.spec.class_names) if saved.spec else []
     if not names or len(names) != len(wnids) or names == wnids:

@@ -1,11 +1,7 @@
 """What a saved model holds, read from a local path or any fsspec URL: our checkpoints, our
-exports (timm's local-dir form: model.safetensors + config.json) and plain state dicts
-(timm's or torchvision's, .pth or .safetensors).
-
-Reading only: building the model from it is app/inference/model_files.py's job, matching the
-weights to a new model app/models/pretrained.py's. Everything torch reads here is read with
-weights_only=True, as checkpoints are (app/training/checkpoint.py): no code from a downloaded
-file runs.
+exports (timm's local-dir form: model.safetensors + config.json) and plain state dicts (timm's
+or torchvision's, .pth or .safetensors). Reading only; torch reads with weights_only=True, so no
+code from a downloaded file runs.
 """
 
 from __future__ import annotations
@@ -32,16 +28,14 @@ EXPORT_CONFIG = "config.json"
 EXPORT_ONNX = "model.onnx"
 ONNX_INPUT, ONNX_OUTPUT = "input", "logits"  # model.onnx's graph: NCHW float32 -> logits
 OUR_SECTION = "imagenet_dp"  # config.json's own section: what timm's fields cannot say
-# torch.save's zip archive, or the legacy pickle of torch < 1.6
-TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+TORCH_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive, or torch < 1.6's pickle
 STRIPPED_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers' key prefixes
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What rebuilds a model (the factory's arguments) and feeds it (its eval transform: the
-    centre crop of `crop_fraction` of the shorter side, resized to `crop`, then mean/std), and
-    what its class indices mean (wnids and their words; empty when unknown)."""
+    """What rebuilds a model (the factory's arguments), feeds it (the centre crop of
+    `crop_fraction` of the shorter side, resized to `crop`, then mean/std) and names its classes."""
     arch: str
     num_classes: int
     norm: str = "batch"
@@ -93,8 +87,7 @@ def read_export(folder: str) -> SavedWeights:
 
 
 def spec_of_checkpoint(payload: dict) -> ModelSpec:
-    """The spec of a checkpoint written by app/training/run_state.py. Older checkpoints, written
-    before class names were stored, leave them empty."""
+    """The spec of a checkpoint (app/training/run_state.py); no class names where it has none."""
     config = payload.get("config") or {}
     data, model = config.get("data") or {}, config.get("model") or {}
     sizes = resolve(data.get("image_size") or 224, val_resize=data.get("val_resize_size", 0),
@@ -110,8 +103,7 @@ def spec_of_checkpoint(payload: dict) -> ModelSpec:
 
 
 def spec_of_export(config: dict, where: str) -> ModelSpec:
-    """The spec of a config.json in timm's form (ours add an `imagenet_dp` section for what
-    timm cannot rebuild by name: the _small stem, GroupNorm)."""
+    """The spec of a timm-form config.json (ours add OUR_SECTION: the _small stem, GroupNorm)."""
     ours = config.get(OUR_SECTION) or {}
     pretrained = config.get("pretrained_cfg") or config
     try:
