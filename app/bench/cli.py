@@ -38,9 +38,24 @@ EXAMPLES = """examples:
 """
 
 
-# The issue's measurement: 2 CPU workers, ResNet-18 at 64 px, the parameter server.
+# 2 CPU workers, ResNet-18 at 64 px, the parameter server
 TEARDOWN_RUN = ("--dataset", "sample_tiny", "-a", "resnet18", "--image-size", "64", "-b", "8",
                 "-j", "0", "--devices", "cpu,cpu", "--sync", "ps", "--epochs", "1", "-p", "1")
+
+# flags several sub-commands share: option strings, type
+SHARED = {"catalog": (("--catalog",), None), "dataset": (("--dataset",), None),
+          "arch": (("-a", "--arch"), None), "batch_size": (("-b", "--batch-size"), int),
+          "image_size": (("--image-size",), int), "epochs": (("--epochs",), int),
+          "workers": (("-j", "--workers"), int), "device": (("--device",), None),
+          "steps": (("--steps",), int), "warmup": (("--warmup",), int)}
+
+
+def shared(sub: argparse.ArgumentParser, **defaults) -> None:
+    """SHARED's flags in the order given, with these defaults; (default, help) adds a help."""
+    for name, default in defaults.items():
+        default, text = default if isinstance(default, tuple) else (default, None)
+        flags, kind = SHARED[name]
+        sub.add_argument(*flags, type=kind, default=default, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,27 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     e2e = commands.add_parser("e2e", help="training from JPEG files: ours vs the pytorch/examples "
                               "recipe, and as a share of model-only speed")
-    e2e.add_argument("--catalog", default="datasets.toml")
-    e2e.add_argument("--dataset", default="sample_bench")
-    e2e.add_argument("-a", "--arch", default="resnet50")
-    e2e.add_argument("-b", "--batch-size", type=int, default=256)
-    e2e.add_argument("--image-size", type=int, default=224)
-    e2e.add_argument("-j", "--workers", type=int, default=8, help="loader processes, both sides")
-    e2e.add_argument("--device", default="cuda")
+    shared(e2e, catalog="datasets.toml", dataset="sample_bench", arch="resnet50", batch_size=256,
+           image_size=224, workers=(8, "loader processes, both sides"), device="cuda")
     e2e.add_argument("--decoders", "--decoder", default="auto", help="comma-separated "
                      "input pipelines to measure one after the other (auto, dali, nvjpeg, "
                      "pillow), e.g. nvjpeg,pillow,dali; dali is skipped where it does not "
                      "import")
     e2e.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
-    e2e.add_argument("--steps", type=int, default=50)
-    e2e.add_argument("--warmup", type=int, default=10)
+    shared(e2e, steps=50, warmup=10)
     model = commands.add_parser("model", help="model-only images/s: ours vs the peer's numerics")
-    model.add_argument("-a", "--arch", default="resnet50")
-    model.add_argument("-b", "--batch-size", type=int, default=256)
-    model.add_argument("--image-size", type=int, default=224)
-    model.add_argument("--device", default="cuda")
-    model.add_argument("--steps", type=int, default=50)
-    model.add_argument("--warmup", type=int, default=5)
+    shared(model, arch="resnet50", batch_size=256, image_size=224, device="cuda", steps=50,
+           warmup=5)
     model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
     model.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
                        "setting (its fp32 cuDNN autotuning takes tens of seconds on a GPU)")
@@ -94,35 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
                            "settings with the batch augmentations, and them alone")
     sync = commands.add_parser("sync", help="step time: 1 worker vs N workers ps vs allreduce")
-    sync.add_argument("-a", "--arch", default="resnet50")
-    sync.add_argument("-b", "--batch-size", type=int, default=16, help="per worker")
-    sync.add_argument("--image-size", type=int, default=64)
+    shared(sync, arch="resnet50", batch_size=(16, "per worker"), image_size=64)
     sync.add_argument("--devices", default="cpu,cpu", help="worker devices, e.g. cuda:0,cuda:1")
-    sync.add_argument("--steps", type=int, default=10)
-    sync.add_argument("--warmup", type=int, default=3)
+    shared(sync, steps=10, warmup=3)
     sync.add_argument("--bucket-mb", type=float, default=25.0)
     sync.add_argument("--modes", default="local,ps,allreduce", help="which to measure: local "
                       "(1 worker, no sync), ps, allreduce")
     threads = commands.add_parser("threads", help="training images/s with the replicas as "
                                   "threads vs as processes (app.train), same run otherwise")
-    threads.add_argument("-a", "--arch", default="resnet18")
-    threads.add_argument("-b", "--batch-size", type=int, default=32, help="per replica")
-    threads.add_argument("--image-size", type=int, default=64)
+    shared(threads, arch="resnet18", batch_size=(32, "per replica"), image_size=64)
     threads.add_argument("--devices", default="cpu,cpu", help="replica devices: cpu,cpu; "
                          "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1; all (one per GPU)")
-    threads.add_argument("--dataset", default="sample")
-    threads.add_argument("--catalog", default="datasets.toml")
-    threads.add_argument("-j", "--workers", type=int, default=1, help="loader processes per "
-                         "replica")
-    threads.add_argument("--steps", type=int, default=40, help="about this many steps are "
-                         "measured (one epoch of the dataset)")
+    shared(threads, dataset="sample", catalog="datasets.toml",
+           workers=(1, "loader processes per replica"),
+           steps=(40, "about this many steps are measured (one epoch of the dataset)"))
     compiling = commands.add_parser("compile", help="first step (compilation included) and "
                                     "step time: eager, compiled whole, compiled by regions")
-    compiling.add_argument("-a", "--arch", default="resnet50")
-    compiling.add_argument("-b", "--batch-size", type=int, default=8)
-    compiling.add_argument("--image-size", type=int, default=96)
-    compiling.add_argument("--device", default="cpu")
-    compiling.add_argument("--steps", type=int, default=5)
+    shared(compiling, arch="resnet50", batch_size=8, image_size=96, device="cpu", steps=5)
     compiling.add_argument("--settings", default="off,whole,regions")
     for sub in (sync, compiling):
         sub.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
@@ -133,9 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--catalog", default="datasets.toml")
     loader.add_argument("--dataset", action="append", required=True,
                         help="repeat to compare datasets; ratios are to the first")
-    loader.add_argument("-b", "--batch-size", type=int, default=64)
-    loader.add_argument("-j", "--workers", type=int, default=4)
-    loader.add_argument("--image-size", type=int, default=224)
+    shared(loader, batch_size=64, workers=4, image_size=224)
     loader.add_argument("--batches", type=int, default=20)
     loader.add_argument("--readers", default="s3fs,obstore",
                         help="readers to compare on object-store datasets, the baseline first")
@@ -154,10 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an export folder with model.onnx (or give -a)")
     guess.add_argument("--images", action="append", required=True,
                        help="an image or a folder of them; repeat for more")
-    guess.add_argument("-a", "--arch", default="", help="instead of EXPORT_DIR: export a "
-                       "freshly initialised model of this name")
-    guess.add_argument("--image-size", type=int, default=224, help="with -a: the crop size")
-    guess.add_argument("-b", "--batch-size", type=int, default=32)
+    shared(guess, arch=("", "instead of EXPORT_DIR: export a freshly initialised model of "
+                        "this name"), image_size=(224, "with -a: the crop size"), batch_size=32)
     guess.add_argument("--repeats", type=int, default=3, help="passes; the best one counts")
     guess.add_argument("--limit", type=int, default=0, help="at most this many images")
     add_gpu_check(commands)
@@ -171,12 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     start = commands.add_parser("start", help="what starting a run costs: the machine's CPU "
                                 "seconds and the time to the first step, N workers, a restart, "
                                 "and pytorch/examples' main.py beside them")
-    start.add_argument("--dataset", default="sample_tiny")
-    start.add_argument("-a", "--arch", default="resnet18", help="a torchvision model name too, "
-                       "with --peer")
-    start.add_argument("--image-size", type=int, default=32)
-    start.add_argument("-b", "--batch-size", type=int, default=16, help="per worker process")
-    start.add_argument("--epochs", type=int, default=1)
+    shared(start, dataset="sample_tiny", arch=("resnet18", "a torchvision model name too, "
+                                                "with --peer"),
+           image_size=32, batch_size=(16, "per worker process"), epochs=1)
     start.add_argument("--device", default="cpu", help="every worker's: cpu, or cuda:0 (the "
                        "workers share it; no --peer then)")
     start.add_argument("--workers", default="1,2,4", help="worker processes, comma-separated")

@@ -1,12 +1,9 @@
-"""What compiling costs and gives, whole model vs regions (each block of the stages,
-app/training/speed.py), with eager beside them: the first step, compilation included, and the
-median and best step after it, on a synthetic batch. On a shared machine, trust the best step
-and the first step's CPU time: compiling is mostly one busy thread, whose CPU time other
-processes barely change (inductor's C++ compiler runs in other processes: not counted).
-
-Each setting runs in a fresh process with an empty inductor cache, so every first step compiles
-from scratch and no setting inherits another's graphs or kernels.
-"""
+"""What compiling costs and gives, whole model vs regions (each block of the stages), with eager
+beside them: the first step, compilation included, and the median and best step after it, on a
+synthetic batch. On a shared machine, trust the best step and the first step's CPU time:
+compiling is mostly one busy thread (inductor's C++ compiler runs in other processes: not
+counted). Each setting runs in a fresh process with an empty inductor cache, so every first
+step compiles from scratch."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -82,20 +80,23 @@ def measure(job: CompileBenchJob) -> None:
         "step_times_s": times, "graphs": graphs}))
 
 
+def in_process(target: Callable, args: tuple, what: str) -> None:
+    """`target(*args)` in a spawned process of its own; raises if it fails."""
+    process = torch.multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"{what} failed (exit {process.exitcode})")
+
+
 def run(arch: str, batch_size: int, image_size: int, device: str, backend: str, steps: int,
         settings: list[str]) -> dict:
-    context = torch.multiprocessing.get_context("spawn")
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for setting in settings:
             job = CompileBenchJob(arch, batch_size, image_size, device, backend, steps, setting,
                                   str(Path(folder) / f"{setting}.json"))
-            process = context.Process(target=measure, args=(job,))
-            process.start()
-            process.join()
-            if process.exitcode != 0:
-                raise RuntimeError(f"compile benchmark '{setting}' failed "
-                                   f"(exit {process.exitcode})")
+            in_process(measure, (job,), f"compile benchmark '{setting}'")
             result = json.loads(Path(job.result_file).read_text())
             results.append({**asdict(job), **result,
                             "step_s": statistics.median(result["step_times_s"]),

@@ -1,7 +1,6 @@
 """Stand-ins for a training run that takes every core (`bin/bench.py upload-lag`): processes
-that repeat a fixed unit of work and count the units in shared memory, so what another process
-costs them (an upload beside them) reads as their rate falling. Imports numpy, not torch: a
-process starts in a fraction of a second."""
+repeating a fixed unit of work, counted in shared memory, so what another process costs them
+reads as their rate falling. Imports numpy, not torch, so that a process starts at once."""
 
 from __future__ import annotations
 

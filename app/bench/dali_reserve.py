@@ -1,26 +1,21 @@
 """What each DALI pipeline reserves when it is built (gpu-check's dali_memory part): the
 formula's expectation (app/data/dali_memory.py) beside what the machine shows, as JSON. In a
-process of its own, like every part, so that no other part's allocations count.
+process of its own, like every part, so that no other part's allocations count. Built as a
+training worker builds them: train, then val, both kept, on a generated sample.
 
     python -m app.bench.dali_reserve --json dali_memory.json --threads 8 --batch-size 256
 
-Built like a training worker builds them: train, then val, both kept, on a generated sample.
-- GPU: the drop in torch.cuda.mem_get_info's free memory (the whole device, so DALI's own pool
-  counts) around each pipeline's build, less what torch's allocator reserved meanwhile; and the
-  same around its first batch, when DALI allocates what it sizes from the data (outputs, the
-  resize's buffers, anything the decoder defers), which depends on the sample's image sizes.
-- Pinned host memory: DALI 2.4 reports none (nvidia.dali.backend has PreallocatePinnedMemory,
-  ReleaseUnusedMemory and growth factors, no usage counter; Pipeline.executor_statistics covers
-  operator outputs, under the legacy executor only). What is measured is this process's
-  VmRSS and VmPin (/proc/self/status): pinned buffers are resident pages of this process, so
-  they should show in VmRSS, beside whatever else the build allocates (reader processes are
-  separate and not counted).
-On a CPU the same code runs with CPU operators (no paddings, no GPU figures): the tests do so.
-"""
+- GPU: the drop in the device's free memory (so DALI's own pool counts) around each build, less
+  what torch's allocator reserved meanwhile; the same around its first batch, when DALI
+  allocates what it sizes from the data (so it depends on the sample's image sizes).
+- Pinned host memory: DALI has no usage counter for it, so this process's VmRSS and VmPin are
+  measured (pinned buffers are resident pages; reader processes are not counted).
+On a CPU the same code runs with CPU operators (no GPU figures): the tests do so."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -54,14 +49,11 @@ def host_memory() -> dict:
     """This process's resident and pinned memory in bytes ({} without /proc)."""
     fields = {"VmRSS:": "host_rss", "VmPin:": "host_pinned_vm"}
     out = {}
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                name, *value = line.split()
-                if name in fields and value:
-                    out[fields[name]] = int(value[0]) * 1024  # kB
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as handle:
+        for line in handle:
+            name, *value = line.split()
+            if name in fields and value:
+                out[fields[name]] = int(value[0]) * 1024  # kB
     return out
 
 

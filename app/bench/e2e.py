@@ -1,8 +1,7 @@
-"""End to end: training from JPEG files, our trainer beside the peer's recipe
-(pytorch/examples, app/bench/peer.py) in the same run, and as a share of our model-only speed
-with the same settings (app/bench/model.py): the gap between the two is what the input
-pipeline still costs. Several decoders are measured one after the other in one run, beside
-one measurement of the peer and of the model alone; DALI where it imports."""
+"""End to end: training from JPEG files, our trainer beside the peer's recipe (app/bench/peer.py)
+in the same run, and as a share of our model-only speed with the same settings: the gap is what
+the input pipeline still costs. Each decoder is measured in turn, beside one measurement of the
+peer and of the model alone."""
 
 from __future__ import annotations
 
@@ -128,8 +127,7 @@ def peer(setup: Setup) -> dict:
 
 
 def run(setup: Setup, progress: Callable[[dict], None] = lambda report: None) -> dict:
-    """The peer, the model alone, then each decoder; `progress` gets the report after each
-    row (a run cut short keeps the rows that finished)."""
+    """The peer, the model alone, then each decoder; `progress` gets the report after each."""
     compiled = compile_enabled(setup.compile, torch.device(setup.device))
     report = {"what": "end to end", "setup": asdict(setup), "results": [peer(setup)],
               "model_only": None, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}

@@ -1,30 +1,12 @@
 """`bin/bench.py gpu-check`: a GPU machine proved end to end within the time budget its user
-chooses (a new GPU box, a new cloud image, a driver upgrade). Its parts, in their order of
-value, run by app/bench/part_runner.py: a new measurement is one more entry in `parts()`.
+chooses. Its parts, in their order of value, run by app/bench/part_runner.py: a new measurement
+is one more entry in `parts()`.
 
-The deadlines of the parts before the gpu tests, the time to kill the last of them and the
-tests' reserved slice add up to the default 600 s, so each gets its whole deadline even if every
-part before it runs to its own (docs/benchmarks.md has the estimate per part); a larger budget
-goes to the gpu tests. The extras come after the tests, on what the parts before them left
-unused. `prepare` compiles ResNet-50 by regions into the compile cache every later part shares,
-so that each loads its graphs rather than compiling them (a fresh compile is about a minute).
-A seed of the imagenette part is ~740 steps of ResNet-50-D at 96-128 px, batch 64, eager,
-bound by kernel launches and the optimizer at ~10-15 ms a step: ~30-40 s with the start and
-five evaluations, so three seeds and a run of the peer's recipe fit its 145 s.
-
-It needs only an interpreter with the training dependencies and pytest (app/bench/probe.py
-names them): no `make setup`, no network, whatever versions the machine has. Tests and parts
-that need packages it lacks (wandb, tensorboard, moto, obstore, DALI) skip themselves or say so.
-
-What costs most was trimmed: the `--gpus`-style runs train one epoch of 40 classes; the
-end-to-end runs measure the peer and the model alone once for all decoders; the sync modes run
-without the 1-worker mode (two workers share the one GPU, so one worker's step is no baseline
-for theirs); the optimizer-step grid runs eagerly and without the peer's row (the step does
-not depend on the compile; the peer's fp32 cuDNN autotuning alone took 21 s); the whole-model
-compiles, the threads rows, all-reduce, the sync modes by regions and DALI's reservations
-(its wheels must be brought first) are extras. Parts that write JSON figures write them after
-each row, so a part killed at its deadline keeps the rows that finished.
-"""
+The deadlines of the parts before the gpu tests, STOP_S and the tests' reserved slice add up to
+BUDGET_S, so each gets its whole deadline even if every part before it runs to its own
+(estimates: docs/benchmarks.md, gpu-check); a larger budget goes to the gpu tests. The extras
+run after the tests, on what the parts before them left unused. `prepare` fills the compile
+cache every later part shares, so that each loads its graphs rather than compiling them."""
 
 from __future__ import annotations
 
@@ -56,9 +38,8 @@ PHOTOS = "imagenette"  # the real photos' copy in the work folder (bin/bench.py 
 
 @dataclass(frozen=True)
 class Options:
-    """What a user sets of the parts: the gpu tests' processes (-n, with pytest-xdist) and
-    selection (-k), the DALI pipelines whose reservations are measured, and flags for the
-    imagenette part's command (a rehearsal on a CPU at a tiny size)."""
+    """What a user sets of the parts; `imagenette`: flags for that part's command (a rehearsal
+    on a CPU at a tiny size)."""
     test_processes: int = 4
     select: str = ""
     dali_threads: int = 8
@@ -81,8 +62,7 @@ def module(name: str, *args: str) -> list[str]:
 
 
 def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
-    # ps and allreduce only: two workers share the one GPU, so one worker's step is no
-    # baseline for theirs
+    # no 1-worker mode: two workers share the one GPU, so one worker's step is no baseline
     return bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
                  "--compile", compile, "--modes", "ps,allreduce", "--steps", "10", "--warmup",
                  "3", "--json", str(paths.report(name)))
@@ -128,7 +108,7 @@ def imagenette_part(options: Options) -> Part:
 
 
 # Deadlines in s: up to the gpu tests, with STOP_S, they add up to BUDGET_S (the module's
-# docstring says why; tests/test_gpu_check.py checks).
+# docstring says why).
 def parts(options: Options = Options()) -> list[Part]:
     """Every part, in its order of value."""
     return [
@@ -188,8 +168,8 @@ def parts(options: Options = Options()) -> list[Part]:
 
 
 def chosen(names: str, budget_s: float, options: Options = Options()) -> list[Part]:
-    """The parts named (comma-separated; all for an empty string) in their order of value, sized
-    to the budget."""
+    """The parts named (comma-separated; all for "") in their order of value, sized to the
+    budget."""
     every = parts(options)
     wanted = {name for name in names.split(",") if name}
     unknown = wanted - {part.name for part in every}
@@ -225,8 +205,7 @@ def format_report(report: dict) -> str:
 
 def run(parts: list[Part], budget_s: float, out: Path, work: Path,
         archive: Path | None = None) -> tuple[dict, int]:
-    """bin/bench.py gpu-check: the report (every part's outcome, the verdict) and the exit
-    code."""
+    """The report (every part's outcome, the verdict) and the exit code."""
     check_requirements()
     paths = Paths(out, work, archive)
     outcomes = run_parts(parts, budget_s, paths, part_environment(paths))

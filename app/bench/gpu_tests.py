@@ -24,16 +24,14 @@ ENDED = (re.compile(rf"^(?P<name>tests/\S.*?::.+?) (?P<outcome>{OUTCOMES})\b"),
 
 def gpu_test_files() -> list[str]:
     """The test files that hold gpu tests: the others are not collected (some import packages
-    the GPU machine may lack, boto3 and nbclient, and collecting them all, in each test
-    process, costs more than the gpu tests that a machine without a GPU skips)."""
+    a GPU machine may lack, and collecting them all in each test process costs much)."""
     return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
                   if GPU_MARK.search(path.read_text()))
 
 
 def command(junit_xml: Path, processes: int, select: str) -> list[str]:
-    """pytest over the gpu tests. With pytest-xdist, `processes` test processes share the GPU
-    (most tests are driver runs that leave it idle while they start); with pytest-timeout,
-    each test has its own limit."""
+    """pytest over the gpu tests; with pytest-xdist, `processes` share the GPU (most tests are
+    driver runs that leave it idle while they start)."""
     # a file that needs a package the machine lacks must not stop the collection of the others
     argv = [sys.executable, "-m", "pytest", "-m", "gpu or gpu2", "-p", "no:cacheprovider", "-v",
             "--continue-on-collection-errors", f"--junitxml={junit_xml}", *gpu_test_files()]

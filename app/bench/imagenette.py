@@ -5,11 +5,8 @@ together, seed after seed; then, in what is left of the part's time, pytorch/exa
 recipe at the same budget (`bin/bench.py peers`' runs). Each run's top-1 and wall time go into
 the report the moment it ends; without a whole copy the part says why and skips itself.
 
-    python -m app.bench.imagenette --copy /tmp/imagenet-dp-gpu-check/imagenette --json r.json
-
-A run is started only if it is expected to end within the part's deadline (--deadline, else
-the one gpu-check's runner gives the part): a part killed mid-run would be a failed part.
-"""
+A run starts only if it is expected to end within the part's deadline (--deadline, else the
+runner's): a part killed mid-run would be a failed part."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.bench import peers
-from app.bench.cli import saver
+from app.bench.cli import saver, shared
 from app.bench.part_runner import DEADLINE_ENV
 from app.bench.photo_parts import missing
 from app.runtime.cli import run_cli
@@ -29,8 +26,8 @@ TARGET = 0.8577  # the leaderboard's top-1 for 128 px, 5 epochs
 CONFIG = "configs/imagenette_128_5.toml"
 TRAINERS = ["ours", "examples"]  # timm's train.py is no package: not on a machine offline
 EXIT_S = 5.0  # the report written and the process gone before the deadline
-# A trainer's first run is expected to last this much longer than the longest run so far:
-# pytorch/examples' recipe trains in fp32 and autotunes cuDNN (21 s for ResNet-50 on an H100)
+# A trainer's first run is expected to last this much longer than the longest run so far
+# (pytorch/examples' recipe trains in fp32 and autotunes cuDNN)
 FIRST_RUN_FACTOR = 2.0
 RUN_FACTOR = 1.2  # a later run of the same trainer: its longest so far, with room for noise
 
@@ -42,14 +39,10 @@ def parser() -> argparse.ArgumentParser:
                        "`bin/bench.py photos receive` put together")
     found.add_argument("--json", required=True, help="the report, written after each run")
     found.add_argument("--seeds", default="0,1,2")
-    found.add_argument("--device", default="cuda:0")
-    found.add_argument("-a", "--arch", default="resnet50d", help="ours (the config's)")
+    shared(found, device="cuda:0", arch=("resnet50d", "ours (the config's)"))
     found.add_argument("--peer-arch", default="resnet50", help="the peer's: torchvision "
                        "has no ResNet-50-D")
-    found.add_argument("--image-size", type=int, default=128)
-    found.add_argument("-b", "--batch-size", type=int, default=64)
-    found.add_argument("--epochs", type=int, default=5)
-    found.add_argument("-j", "--workers", type=int, default=12, help="loader processes")
+    shared(found, image_size=128, batch_size=64, epochs=5, workers=(12, "loader processes"))
     found.add_argument("--target", type=float, default=TARGET)
     found.add_argument("--deadline", type=float, default=float(os.environ.get(DEADLINE_ENV, 0)),
                        help="seconds: start no run expected to end later (0: no limit)")
@@ -57,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def setup_of(args: argparse.Namespace) -> peers.Setup:
-    """The runs' setup: the catalog's imagenette_local entry (IMAGENETTE_ROOT: the photos)."""
+    """The catalog's imagenette_local entry (IMAGENETTE_ROOT: the photos)."""
     return peers.Setup("datasets.toml", "imagenette_local", CONFIG, args.arch, args.image_size,
                        args.batch_size, args.epochs, args.workers, device=args.device,
                        peer_arch=args.peer_arch)

@@ -1,13 +1,8 @@
 """Loader-only throughput: read + decode + augment, batches delivered on the device, no model.
-Several datasets in one run (e.g. the local and the S3 copy of the same data), as ratios to the
-first; an object-store dataset once per reader (s3fs first, the baseline), every dataset once
-per decoder, plain and with each auto-augment policy asked for (ratios to the plain row); the
-peer's loader (app/bench/peer.py) on the first dataset, with as many processes, is the
-baseline of them all.
-
-Per row: images/s, the CPU cores kept busy and the CPU per image (all processes and threads),
-and for the reader alone GETs/s and client CPU per GET: how many cores an image rate costs.
-"""
+Several datasets in one run (ratios to the first), an object-store dataset once per reader
+(the baseline first), every dataset once per decoder, plain and with each auto-augment policy
+(ratios to the plain row); the peer's loader (app/bench/peer.py) on the first dataset is the
+baseline of them all. The reader alone is measured too: GETs/s and client CPU per GET."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """moto_server on loopback: a real S3 endpoint (HTTP, multipart uploads, copies) in a process of
-its own, for the benchmarks and the tests. Needs `pip install 'moto[server]'` (moto and flask).
-"""
+its own, for the benchmarks and the tests. Needs `pip install 'moto[server]'`."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import time
 from app.bench.start import free_port
 from app.runtime.errors import UserError
 
-START_TIMEOUT_S = 30.0  # moto imports boto and flask: seconds on a busy 2-core machine
+START_TIMEOUT_S = 30.0  # moto imports boto and flask: seconds on a busy machine
 STOP_TIMEOUT_S = 10.0
 
 

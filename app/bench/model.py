@@ -1,10 +1,8 @@
 """Model-only throughput: a synthetic batch already on the device, forward + backward + SGD
-step, so neither the input pipeline nor the gradient sync counts. Our settings (bf16 autocast,
-channels_last, torch.compile on CUDA) beside the peer's numerics (pytorch/examples imagenet:
-fp32 NCHW, eager, cuDNN autotuning on), measured in the same run. Batch augmentations, a
-recipe's optimizer (LARS, LAMB), clipping and the EMA update are each measured beside the plain
-step of the same run, and the grid of image sizes x batch sizes x optimizer-step implementations
-says what progressive resizing, a larger batch and the fused step buy."""
+step, so neither the input pipeline nor the gradient sync counts. Our settings beside the peer's
+numerics (pytorch/examples: fp32 NCHW, eager), measured in the same run; batch augmentations, a
+recipe's optimizer, clipping, the EMA update and a grid of image sizes x batch sizes x
+optimizer-step implementations are each measured beside the plain step."""
 
 from __future__ import annotations
 
@@ -59,16 +57,14 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
             optim: OptimConfig | None = None, ema_every: int = 0,
             optimizer_step: str = "default") -> dict:
     """Images/s over `steps` timed steps after `warmup` (the first includes compilation);
-    with `augment`, each step augments the batch first, as the Trainer does; with
-    `ema_every`, every that many steps update a moving average of the weights after the step;
-    `optimizer_step`: the plain SGD step's implementation (OPTIMIZER_STEPS)."""
+    `augment` augments each batch first, as the Trainer does; `ema_every`: the weights' moving
+    average updated every that many steps; `optimizer_step`: a key of OPTIMIZER_STEPS."""
     precision = Precision.from_config(setting.amp, setting.channels_last, device)
     configure_backends(precision.device, cudnn_benchmark=True, tf32=True)
     torch.manual_seed(0)
     model = precision.prepare_model(create_model(arch, 1000))
-    # static shapes, a fresh cache: each size gets its own graph, as in training
-    # (app/training/speed.py), not the dynamic-shape graph a second size would otherwise turn
-    # the cached one into
+    # a fresh cache, static shapes: each size gets its own graph, as in training, not the
+    # dynamic-shape graph a second size would turn the cached one into
     torch._dynamo.reset()
     forward = model
     if setting.compile:
@@ -99,10 +95,7 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
         if ema:
             ema.after_step(index, index + 1)
 
-    def wait() -> None:
-        if on_cuda:
-            torch.cuda.synchronize(precision.device)
-
+    wait = (lambda: torch.cuda.synchronize(precision.device)) if on_cuda else (lambda: None)
     started = time.perf_counter()
     step()
     wait()
@@ -147,11 +140,9 @@ def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, de
 def by_size(arch: str, setting: ModelSetting, batch_sizes: list[int], sizes: list[int],
             step_kinds: list[str], device: str, steps: int, warmup: int,
             progress: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """One setting at every (batch size, image size, optimizer step): images/s, each against
-    the largest size at the same batch and step (beside the pixel count's ratio: the speed-up
-    progressive resizing can buy) and against the first step implementation at the same
-    shape. `progress` gets the rows so far after each (a ratio whose other row is still to
-    come is None)."""
+    """One setting at every (batch size, image size, optimizer step), each against the largest
+    size at the same batch and step (beside the pixel ratio: what progressive resizing can buy)
+    and against the first step kind at the same shape (None while that row is to come)."""
     rows: list[dict] = []
     for batch in batch_sizes:
         for size in sizes:
@@ -183,8 +174,7 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         ema_every: int = 0, batch_sizes: list[int] | None = None,
         step_kinds: list[str] | None = None,
         progress: Callable[[dict], None] = lambda report: None) -> dict:
-    """`progress` gets the report after each row (a run cut short keeps the rows that
-    finished)."""
+    """`progress` gets the report after each row."""
     results: list[dict] = []
     report = {"what": "model only", "results": results, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}

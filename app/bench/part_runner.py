@@ -1,15 +1,12 @@
-"""The runner of timed parts behind `bin/bench.py gpu-check` (app/bench/gpu_check.py lists
-them). Parts run in their order, each in a process group of its own with its own deadline, cut
-shorter when the budget runs low; a part may reserve time (the gpu tests do), which the parts
-before it cannot use, however long they run. Each part starts with its run folder and report
-cleared (a rerun must not read the last run's metrics) and is told its deadline (DEADLINE_ENV),
-so that it can leave out a run that would not end in time rather than be killed in it.
-As each part ends (finished, failed or killed at its deadline), `<part>.json` (outcome, figures,
-its log's tail), `<part>.log` and `summary.md` are written: a run cut short (the budget spent,
-Ctrl-C, the machine lost) leaves whatever finished, and no part can hold up the ones after it.
-"""
+"""The runner of timed parts behind `bin/bench.py gpu-check`. Each part runs in a process group
+of its own with its own deadline, cut shorter when the budget runs low and told to it
+(DEADLINE_ENV) so that it can leave out a run that would not end in time; a part may reserve
+time, which the parts before it cannot use however long they run. A part's run folder and
+report are cleared first (a rerun must not read the last run's metrics), and its reports are
+written as it ends: a run cut short leaves whatever finished, and no part holds up the next."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -41,12 +38,10 @@ class Paths:
     archive: Path | None = None
 
     def report(self, part: str) -> Path:
-        """Where a part that writes JSON figures writes them."""
         return self.out / f"{part}.report.json"
 
     @property
-    def runs(self) -> Path:
-        """Where a part's training runs go: runs/<part>."""
+    def runs(self) -> Path:  # a part's training runs: runs/<part>
         return self.work / "runs"
 
     def clear(self, part: str) -> None:
@@ -79,18 +74,16 @@ class Part:
 
 
 def sized(parts: list[Part], budget_s: float) -> list[Part]:
-    """The parts with a growing one's deadline raised to what of `budget_s` the others'
-    deadlines and the time to kill it (STOP_S) leave: a larger budget goes to it, the others
-    keep theirs."""
+    """A growing part's deadline raised to what of `budget_s` the others' deadlines and
+    STOP_S leave."""
     others = sum(part.deadline_s for part in parts if not part.grows)
     return [replace(part, deadline_s=max(part.deadline_s, budget_s - others - STOP_S))
             if part.grows else part for part in parts]
 
 
 def time_for(parts: list[Part], index: int, left_s: float) -> float:
-    """Seconds the part at `index` may run with `left_s` of the budget left: its deadline, cut
-    so that the later parts' reserved time stays theirs even if this one must be killed (which
-    takes up to STOP_S more)."""
+    """Seconds the part at `index` may run: its deadline, cut so that the later parts'
+    reserved time stays theirs even if this one must be killed (STOP_S more)."""
     reserved = sum(part.reserved_s for part in parts[index + 1:])
     return min(parts[index].deadline_s, left_s - (reserved + STOP_S if reserved else 0.0))
 
@@ -113,22 +106,16 @@ def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM to the part's whole process group (a driver saves and stops its workers),
     SIGKILL to whatever of it is left after GRACE_S."""
     signal_group(process.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
     signal_group(process.pid, signal.SIGKILL)  # stragglers of the group, or its leader
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: left behind
         process.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:  # stuck in the kernel: reported, left behind
-        pass
 
 
 def signal_group(group: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # nothing of the group is left
         os.killpg(group, sig)
-    except ProcessLookupError:  # nothing of the group is left
-        pass
 
 
 def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -> dict:
@@ -159,8 +146,6 @@ def not_run(part: Part, left_s: float, given_s: float) -> dict:
 
 def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str]
               ) -> list[dict]:
-    """Each part in order within what is left of `budget_s`; every report written as its part
-    ends."""
     paths.out.mkdir(parents=True, exist_ok=True)
     paths.work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -187,7 +172,6 @@ def pack(folder: Path, archive: Path) -> None:
 
 
 def write_summary(path: Path, budget_s: float, parts: list[Part], outcomes: list[dict]) -> None:
-    """summary.md: a table of the parts so far, then each finished part's figures."""
     spent = sum(o["seconds"] for o in outcomes)
     lines = [f"# gpu-check, {time.strftime('%Y-%m-%d %H:%M')}: {spent:.0f} s of {budget_s:.0f} s",
              "", "| part | what | status | seconds |", "| --- | --- | --- | --- |"]

@@ -49,8 +49,6 @@ def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0%}"
 
 
-# the other parts' summaries, from the JSON their commands write
-
 def probe_lines(f: dict) -> list[str]:
     gpus = ", ".join(f"{g['name']} ({g['total_gb']} GB, {g['free_gb']} GB free)"
                      for g in f["gpus"]) or "none"
@@ -87,8 +85,6 @@ def sync_lines(f: dict) -> list[str]:
 
 
 def model_lines(f: dict) -> list[str]:
-    """Each setting's row (ours vs the peer's numerics), then the grid by batch, image size and
-    optimizer step where there is one."""
     lines = ["| setting | images/s | vs peer | first step | peak GB |",
              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['label']} | {number(r['images_per_s'])} | {number(r.get('ratio_to_peer'), 2)} "
@@ -113,7 +109,6 @@ def threads_lines(f: dict) -> list[str]:
 
 
 def dali_lines(f: dict) -> list[str]:
-    """Per split: the formula's reservation, and what the machine showed where it measured."""
     lines = [f"- at {f['threads']} threads, batch {f['batch_size']}, the {f['sample']} sample "
              f"({f['formula']}):"]
     for split, want in f["expected"].items():
@@ -136,13 +131,11 @@ def mib(count: int | None) -> str:
 
 
 def start_lines(f: dict) -> list[str]:
-    """bin/bench.py start's rows: the machine's CPU seconds and the time to the first step."""
     return [f"- {row['label']}: {row['median_cpu_s']:.1f} CPU-s, first step after "
             f"{row['median_first_step_s']:.1f} s" for row in f.get("rows", [])]
 
 
 def imagenette_lines(f: dict) -> list[str]:
-    """Each run's top-1 after its last epoch and wall time, then ours beside the target."""
     if "skipped" in f:
         return [f"- skipped: {f['skipped']}"]
     epochs, target = f["setup"]["epochs"], f["target"]

@@ -1,8 +1,6 @@
-"""The peer's recipe, for baselines measured in the same run: pytorch/examples imagenet/main.py.
-An ImageFolder-style dataset (Pillow opens each file, converts to RGB), torchvision's
-RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor + Normalize in DataLoader processes,
-float32 NCHW batches moved to the GPU in the loop, the model in fp32 (TF32 convolutions, as
-torch does by default), cuDNN autotuning on, eager."""
+"""The peer's input pipeline, for baselines measured in the same run: pytorch/examples
+imagenet/main.py's ImageFolder-style dataset (Pillow, RGB), torchvision's RandomResizedCrop,
+flip, ToTensor and Normalize in DataLoader processes, float32 NCHW batches moved in the loop."""
 
 from __future__ import annotations
 

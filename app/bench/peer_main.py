@@ -1,14 +1,10 @@
-"""The peer's start, for `bin/bench.py start` and `peers`: pytorch/examples imagenet/main.py as
-it trains on N devices (`--multiprocessing-distributed`): one process per device from
-torch.multiprocessing.spawn, each importing torch and torchvision anew, torchvision's model in
-DistributedDataParallel, an ImageFolder through torchvision's transforms in DataLoader
-processes, SGD with a step schedule, validation, rank 0's checkpoint; here the devices are CPU
-processes under gloo. As main.py, `-j` is the whole machine's loader processes, and the module
-imports what main.py imports at its top, so each spawned process pays what main.py's do.
-
-`python -m app.bench.peer_main DIR --world N ...`: rank 0 prints a JSON line with the time of
-its first optimizer step, and one per epoch with its val top-1 (main.py's `acc1`, a fraction).
-"""
+"""pytorch/examples imagenet/main.py as it trains on N devices (`--multiprocessing-distributed`),
+for `bin/bench.py start` and `peers`: a process per device from torch.multiprocessing.spawn,
+torchvision's model in DDP, an ImageFolder in DataLoader processes, SGD with a step schedule,
+validation, rank 0's checkpoint; the devices here are CPU processes under gloo. As main.py, `-j`
+is the whole machine's loader processes, and the module imports what main.py imports at its
+top, so each spawned process pays what main.py's do. Rank 0 prints a JSON line with the time of
+its first optimizer step, and one per epoch with its val top-1 (a fraction)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""`bin/bench.py peers`: one training, three trainers, the same photos on the same machine.
-
-- ours: bin/driver.py with a recipe config (`--config`, e.g. configs/imagenette_cpu.toml);
-- pytorch/examples: its imagenet/main.py recipe (app/bench/peer_main.py);
-- timm: its train.py, from a pytorch-image-models checkout named by `--timm-train` (it is not
-  part of the timm package), with its own defaults; or, with `--peer-recipe ours`, with our
-  config's recipe in its own flags (timm_recipe_flags), so that only the trainer differs
-  (main.py has no flags for a schedule or label smoothing: it keeps its own recipe).
-
-Same model, epochs, batch size, image size and loader processes; anything else is each
-trainer's own recipe, as its users run it. The runs are interleaved (seed 0: ours, examples,
-timm; then seed 1 ...) so that a change in the machine's load meets all three. Each run's final
-val top-1 and its wall time from the command to its exit, then per trainer the mean, the
-spread and the wall time's ratio to ours. With `--target` (a leaderboard's top-1), also the time
-to the end of the first epoch that reaches it (timm's summary.csv stamps no epoch: its time is
-its whole run's when its last epoch reaches it).
-"""
+"""`bin/bench.py peers`: one training by three trainers on the same photos and machine: ours
+(bin/driver.py with a recipe config), pytorch/examples' imagenet/main.py recipe
+(app/bench/peer_main.py) and timm's train.py from a pytorch-image-models checkout (not part of
+the timm package), with its own defaults or, with `--peer-recipe ours`, our config's recipe in
+its flags (timm_recipe_flags). Same model, epochs, batch size, image size and loader processes;
+the rest is each trainer's own, as its users run it. The runs are interleaved by seed so that a
+change in the machine's load meets all three. With `--target`, also the time to the end of the
+first epoch that reaches it (timm's summary.csv stamps no epoch: only its last one's is known)."""
 
 from __future__ import annotations
 
@@ -202,8 +193,7 @@ def new_report(setup: Setup, root: Path, target: float) -> dict:
 
 def record(report: dict, result: dict, trainers: list[str],
            save: Callable[[dict], None]) -> None:
-    """A finished run: its line printed, the report with its summary saved whole (a run cut
-    short later keeps the runs that finished)."""
+    """A finished run: its line printed, the report with its summary saved."""
     print(f"{result['trainer']:9s} seed {result['seed']}: top-1 {result['top1']:.4f}  "
           f"{result['wall_s']:.0f} s", flush=True)
     report["runs"].append(result)

@@ -1,19 +1,14 @@
-"""`bin/bench.py photos`: real photos brought to a GPU machine that has no network, in parts
-small enough to copy one at a time (the only way files reach such a machine may be a copy of
-a few tens of MiB beside the project's own files).
+"""`bin/bench.py photos`: real photos brought to a GPU machine without network, in parts small
+enough to copy one at a time.
 
-- pack, where the photos are: an ImageFolder re-encoded with its shorter side at N px by
-  `bin/make_shards.py --shorter-side`'s code (app/catalog/shrink.py), dealt in order into tars
-  of at most --part-size, one per folder p1, p2, ... of --out, each beside its manifest
-  (pack.json). --out must be a folder git ignores: photos are never committed. Same photos,
-  same bytes: the tars carry no times or owners.
-- receive, on the GPU machine: each part copied there, checked against its manifest and
-  unpacked into the copy (--into). The copy's receipt (.parts.json, which the catalog does not
-  read) lists the parts in, so a part copied twice is unpacked once and a part of a newer pack
-  starts the copy again. A whole copy opens as the catalog's `imagenette_local` entry
-  (IMAGENETTE_ROOT=the copy), which gpu-check's imagenette part trains on: an ImageFolder, not
-  shards, because the peers it runs (pytorch/examples' main.py) read folders.
-"""
+- pack: an ImageFolder re-encoded with its shorter side at N px (app/catalog/shrink.py), dealt
+  in order into tars of at most --part-size, one per folder p1, p2, ... beside its manifest.
+  --out must be a folder git ignores: photos are never committed. The tars carry no times or
+  owners: same photos, same bytes.
+- receive, on the GPU machine: each part checked against its manifest and unpacked into the
+  copy, whose receipt lists the parts in: a part copied twice is unpacked once, a part of a
+  newer pack starts the copy again. The copy is an ImageFolder (the catalog's
+  `imagenette_local`), not shards, because the peers of gpu-check's imagenette part read folders."""
 
 from __future__ import annotations
 

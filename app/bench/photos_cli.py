@@ -8,8 +8,7 @@ import os
 from app.bench.gpu_check import PHOTOS, WORK
 
 DEFAULT_PARTS = ".carry/imagenette144"
-# 64 MiB reach the GPU machine per copy in our setup, the project's ~2 MiB of files included
-PART_MIB = 60.0
+PART_MIB = 60.0  # a copy of 64 MiB holds a part beside the project's own files
 
 
 def add_photos(commands: argparse._SubParsersAction) -> None:

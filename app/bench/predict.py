@@ -1,9 +1,7 @@
 """Predict throughput: an export's model.onnx in ONNX Runtime beside our PyTorch model, on the
-same images, transform and batches (bin/predict.py's code for both): images/s end to end and
-for the model alone, best of a few passes, with how far their logits and top-1 classes agree.
-With `-a ARCH`, a freshly initialised model (seed 0) is exported to a temporary folder: speed
-does not depend on the weights.
-"""
+same images, transform and batches (bin/predict.py's code for both), with how far their logits
+and top-1 agree. With `-a ARCH`, a freshly initialised model is exported to a temporary folder:
+speed does not depend on the weights."""
 
 from __future__ import annotations
 

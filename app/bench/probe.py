@@ -18,9 +18,8 @@ from pathlib import Path
 
 from app.runtime.errors import UserError
 
-# what gpu-check needs in the interpreter that runs it: the training dependencies and pytest,
-# whatever their versions (no `make setup`, no network); tests that need the optional packages
-# skip themselves where they are missing
+# what gpu-check needs in its interpreter, whatever the versions (no `make setup`); parts and
+# tests that need the optional packages skip themselves or say so where they are missing
 REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",
             "pytest")
 OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "tensorboard", "wandb")

@@ -1,11 +1,9 @@
-"""`bin/bench.py start`: what starting a run costs. For a one-epoch run of a small sample, the
-whole machine's CPU seconds (from /proc/stat, so every process counts however it was started)
-and the wall time from the command to the first optimizer step; the same after a killed worker
-(`--max-restarts`: from the kill to the next step); and pytorch/examples' main.py recipe
-(app/bench/peer_main.py) started the same way beside them. Another checkout of the project
-(`--baseline-repo`) can be measured in the same run, each of its rows right after ours, so both
-meet the same machine, which should be otherwise idle: /proc/stat counts everyone's work.
-"""
+"""`bin/bench.py start`: what starting a run costs: the whole machine's CPU seconds (from
+/proc/stat, so every process counts however it was started) and the wall time from the command
+to the first optimizer step; the same after a killed worker (`--max-restarts`), and for
+pytorch/examples' main.py recipe (app/bench/peer_main.py). Another checkout (`--baseline-repo`)
+is measured in the same run, each of its rows right after ours; the machine should be otherwise
+idle: /proc/stat counts everyone's work."""
 
 from __future__ import annotations
 
@@ -82,17 +80,22 @@ def first_train_time(metrics: Path, after: float = 0.0) -> float | None:
     return None
 
 
+def timed_run(command: list[str], cwd: str | Path, row: Row) -> tuple[str, float, float, float]:
+    """(stdout, start time, wall s, the machine's CPU s) of a command that must succeed."""
+    cpu, started = machine_cpu_seconds(), time.time()
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
+    if done.returncode:
+        raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
+    return done.stdout, started, wall, cpu
+
+
 def measure_ours(setup: Setup, row: Row, repo: Path) -> dict:
-    """One driver run from its command to its exit."""
     with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, str(repo / "bin" / "driver.py"),
-                   *driver_flags(setup, row, repo, Path(folder))]
-        cpu, started = machine_cpu_seconds(), time.time()
-        done = subprocess.run(command, cwd=folder, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
-        wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
-        if done.returncode:
-            raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
+        _, started, wall, cpu = timed_run([sys.executable, str(repo / "bin" / "driver.py"),
+                                           *driver_flags(setup, row, repo, Path(folder))],
+                                          folder, row)
         first = first_train_time(Path(folder) / "start" / "metrics.jsonl")
     return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
 
@@ -148,13 +151,8 @@ def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
                    "-b", str(setup.batch_size * row.workers), "--epochs", str(setup.epochs),
                    "--image-size", str(setup.image_size), "--world", str(row.workers),
                    "--dist-url", f"tcp://127.0.0.1:{free_port()}", "--out", folder]
-        cpu, started = machine_cpu_seconds(), time.time()
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
-        wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
-    if done.returncode:
-        raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        stdout, started, wall, cpu = timed_run(command, REPO, row)
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     first = next(record["first_step_time"] for record in records if "first_step_time" in record)
     return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
 

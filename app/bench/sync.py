@@ -1,11 +1,7 @@
 """Step time of the gradient sync modes on the same model and per-worker batch, in one run:
-1 worker (no sync), N workers with the parameter server, N workers with all-reduce.
-
-Synthetic inputs, so only compute and gradient traffic count. The image size barely matters
-for the sync: the gradients are as large as the model (ResNet-50: 25.6M parameters, 102 MB).
-Each mode runs in a process of its own, so one mode's GPU memory (the caching allocator keeps
-what it had) is gone before the next starts.
-"""
+1 worker (no sync), N workers with the parameter server, N workers with all-reduce, on
+synthetic inputs (only compute and gradient traffic count). Each mode runs in a process of its
+own, so one mode's GPU memory (the caching allocator keeps it) is gone before the next starts."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from app.bench.compile import compiled
+from app.bench.compile import compiled, in_process
 from app.bench.model import synthetic_batch
 from app.config import ParallelConfig
 from app.models.factory import create_model
@@ -80,9 +76,8 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
         warmup: int, bucket_mb: float, compile: str = "off", compile_backend: str = "inductor",
         modes: tuple[str, ...] = MODES,
         progress: Callable[[dict], None] = lambda report: None) -> dict:
-    """Measure the modes one after the other (`local`: 1 worker, no sync); returns a
-    JSON-ready report, which `progress` gets after each mode too (a run cut short keeps the
-    modes that finished)."""
+    """The modes one after the other (`local`: 1 worker, no sync); `progress` gets the report
+    after each."""
     modes = [(label, mode, mode_devices) for label, mode, mode_devices in (
         ("1 worker", "local", devices[:1]), (f"{len(devices)} workers, ps", "ps", devices),
         (f"{len(devices)} workers, allreduce", "allreduce", devices)) if mode in modes]
@@ -95,16 +90,11 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
               "compile_backend": compile_backend, "ps_over_allreduce": None,
               "results": results, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}
-    context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
         for label, mode, mode_devices in modes:
             job = SyncBenchJob(arch, batch_size, image_size, steps, warmup,
                                str(Path(folder) / f"{mode}.json"), compile, compile_backend)
-            process = context.Process(target=run_mode, args=(job, mode_devices, mode, parallel))
-            process.start()
-            process.join()
-            if process.exitcode != 0:
-                raise RuntimeError(f"benchmark run '{label}' failed (exit {process.exitcode})")
+            in_process(run_mode, (job, mode_devices, mode, parallel), f"benchmark run '{label}'")
             times = json.loads(Path(job.result_file).read_text())
             step = statistics.median(times)
             results.append({"label": label, "mode": mode, "workers": len(mode_devices),

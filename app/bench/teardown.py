@@ -1,10 +1,7 @@
-"""How long a failed run holds on after the failure: one worker of a real driver run is
-SIGKILLed mid-epoch, and the clock runs from the kill to the driver's one-line error and to
-the driver's exit. A scheduler keeps the job (and its nodes) until that exit.
-
-The run is the driver as a user starts it (bin/driver.py in a process of its own, the
-generated sample, spawned workers); nothing is mocked. Each repeat is a new run.
-"""
+"""How long a failed run holds on after the failure: one worker of a real driver run (as a user
+starts it, nothing mocked) is SIGKILLed mid-epoch, and the clock runs from the kill to the
+driver's error line and to its exit: a scheduler keeps the job (and its nodes) until then.
+Each repeat is a new run."""
 
 from __future__ import annotations
 
@@ -18,9 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.bench.start import first_train_time, started_pids, wait_for
-
-REPO = Path(__file__).resolve().parents[2]
+from app.bench.start import REPO, first_train_time, started_pids, wait_for
 
 
 def kill_one_worker(flags: list[str], victim: str, timeout_s: float) -> dict:

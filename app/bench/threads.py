@@ -1,9 +1,6 @@
 """Replicas as threads vs as processes: images/s of the same training through the Python API
-(app.train), same model, data, batch and devices, in one run; the ratio threads / processes.
-
-Measured end to end (the loaders, the forward and backward, the parameter server's averaging),
-from the print intervals after the first (start-up and the first batches are left out).
-"""
+(app.train), same model, data, batch and devices, in one run. Measured end to end, from the
+print intervals after the first (start-up and the first batches left out)."""
 
 from __future__ import annotations
 
@@ -26,10 +23,9 @@ MODES = ("processes", "threads")
 def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset: str,
         catalog: str, workers: int, steps: int,
         progress: Callable[[dict], None] = lambda report: None) -> dict:
-    """`devices` ["all"]: a replica per GPU of the machine; with fewer than two there is
-    nothing to compare, and the report says so. Both modes train eagerly: threads cannot
-    compile (torch.compile is not thread-safe), and processes compiling would measure their
-    compile against the threads' eager steps. `progress` gets the report after each mode."""
+    """`devices` ["all"]: a replica per GPU (fewer than two: nothing to compare). Both modes
+    train eagerly: threads cannot compile (torch.compile is not thread-safe), and compiled
+    processes would be measured against eager threads."""
     if devices == ["all"]:
         devices = resolve_devices("all")
         if len(devices) < 2:

@@ -1,18 +1,12 @@
 """`bin/bench.py upload-lag`: how long after a save the bucket's checkpoints/last.pt names the
-new checkpoint (what a machine that dies without notice loses), with the machine idle and with
-every core taken by CPU-bound processes, for each niceness of the upload process; and how much
-the upload slows those processes (what it costs the training steps).
-
-Per niceness, the real upload process (app/catalog/uploader.py) mirrors a staged run folder to
-moto_server on loopback, and CheckpointFolder saves as training does. The lag runs from save()'s
-return to the first HEAD of the bucket's last.pt (every POLL_S) that shows the new step file's
-size: each save is longer than the one before, so a size names one save (the uploader's own
-lines would not do: it says "uploaded step-N.pt" before last.pt is copied from it, and nothing
-once the copy is there). Under load, the load's rate before each save (the upload process
-waiting) against its rate from the save to last.pt's arrival is the slowdown a training step
-would see. moto_server, here at niceness 0, does much of an upload's CPU work (a real bucket
-does it on other machines): a busy machine fares better with a real bucket.
-"""
+new checkpoint (what a machine that dies without notice loses), idle and with every core busy,
+per niceness of the upload process, and how much the upload slows the busy processes.
+The real upload process (app/catalog/uploader.py) mirrors a staged run folder to moto_server on
+loopback. The lag runs from save()'s return to the first HEAD of last.pt that shows the new
+file's size: each save is longer than the one before, so a size names one save (the uploader's
+own lines would not do: it says "uploaded" before last.pt is copied). The slowdown is the
+load's rate before a save against its rate until last.pt arrives. moto_server does much of an
+upload's CPU work here, which a real bucket does on other machines."""
 
 from __future__ import annotations
 
@@ -39,9 +33,7 @@ from app.runtime.errors import UserError
 from app.training.checkpoint import CheckpointFolder
 
 BUCKET = "upload-lag"
-# The bench's HEADs of last.pt: fine enough for lags of seconds, and 5 requests a second cost
-# moto_server ~1% of a core (~2.6 ms each).
-POLL_S = 0.2
+POLL_S = 0.2  # the HEADs of last.pt: fine enough for lags of seconds, cheap for moto_server
 READY_TIMEOUT_S = 120.0  # the upload process's start and first pass, on a loaded machine
 LOAD_START_TIMEOUT_S = 120.0
 FINISH_TIMEOUT_S = 0.0  # the last pass has nothing left: last.pt is in the bucket by then
@@ -94,9 +86,8 @@ def niceness_row(server: MotoServer, setup: Setup, niceness: int) -> dict:
 
 class Mirror:
     """A staged run folder and the upload process mirroring it to s3://upload-lag/n<niceness>,
-    started (and its bucket client made) before the first save, as during a run: at niceness
-    19 on a busy machine that start alone takes tens of seconds, which no save of a run waits
-    for."""
+    started before the first save, as during a run (at niceness 19 on a busy machine its start
+    takes tens of seconds, which no save of a run waits for)."""
 
     def __init__(self, server: MotoServer, niceness: int):
         self.root = DatasetRoot(BUCKET, f"s3://{BUCKET}/n{niceness}", server.storage_options())
@@ -142,8 +133,6 @@ class Mirror:
     def save(self, setup: Setup, load: Load | None) -> dict:
         """One checkpoint, timed from CheckpointFolder.save's return to the bucket's last.pt."""
         self.saves += 1
-        # Longer than the save before, so the size of the bucket's last.pt says which save
-        # it holds.
         payload = checkpoint_payload(int(setup.size_mb * MB) + GROWTH * self.saves,
                                      seed=self.saves)
         check = lambda: self.check(load)  # noqa: E731
@@ -179,8 +168,8 @@ def checkpoint_payload(size: int, seed: int) -> dict:
 
 def wait_until(condition: Callable[[], bool], timeout: float, check: Callable[[], None],
                what: str) -> float:
-    """Polls `condition` every POLL_S (and `check`, which raises when a process it waits on
-    died) up to `timeout` seconds; returns the time.monotonic() at which it held."""
+    """Polls `condition` (and `check`, which raises once a process died) every POLL_S up to
+    `timeout` s; returns the time.monotonic() at which it held."""
     deadline = time.monotonic() + timeout
     while True:
         check()
@@ -192,7 +181,6 @@ def wait_until(condition: Callable[[], bool], timeout: float, check: Callable[[]
 
 
 def load_rate(load: Load, seconds: float, check: Callable[[], None]) -> float:
-    """The load's units per second over the next `seconds`."""
     units, started = load.units(), time.monotonic()
     ended = wait_until(lambda: time.monotonic() >= started + seconds, seconds + 60, check,
                        "end of the load's window")
