@@ -16,14 +16,13 @@ From Python (a REPL or a notebook at the repository root):
     history = app.train(setup, loss=torch.nn.CrossEntropyLoss(), val=val_set, schedule=None)
 
 The verbs:
-    open_catalog(path)          the dataset catalog; .dataset(name) -> .solutions(table,
-                                classes=...) and .split("train" | "val", classes=...)
+    open_catalog(path)          the dataset catalog: .dataset(name) -> .solutions(table,
+                                classes=...) or .split("train" | "val", classes=...)
     prepare_training(model, train_set, devices, optimizer, batch_size, epochs, image_size,
                      parallel="threads" | "processes", config="configs/x.toml", **knobs)
     train(setup, loss, val, schedule, logger, resume) -> pandas DataFrame, one row per epoch
     logging_to(logger)          a `with` block: every train inside logs to `logger`
-    loggers                     Console(), Notebook(), Jsonl(path), TensorBoard(),
-                                Wandb(project=..., ...)
+    loggers                     Console(), Notebook(), Jsonl(path), TensorBoard(), Wandb(...)
 
 Replicas are threads of this process by default (one per device; nothing is pickled, so a
 model or loss defined in a notebook trains), or the driver's worker processes. Mistakes raise

@@ -1,7 +1,6 @@
-"""The Python API's arguments, checked before any replica starts: each mistake is one UserError
-naming the argument and what to pass (the CLI's one line), raised before a thread or a
-process exists. What only a step can show (a loss that needs real data) is checked there
-(app/training/losses.py CheckedLoss), naming the same arguments.
+"""The Python API's arguments, checked before any thread or process exists: each mistake is one
+UserError naming the argument and what to pass. What only a step can show is checked there
+(app/training/losses.py CheckedLoss).
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ def keys(section: str, *names: str) -> tuple[str, ...]:
     return tuple(f"{section}.{name}" for name in names)
 
 
-# The config keys each argument stands in for. From a config file they are ignored (and named
-# once, in a warning), as keywords beside your own object refused. The first four are always
-# the caller's; optimizer, loss and schedule when they are objects (not None or a name).
+# The config keys each argument stands in for: ignored from a config file (named in a warning),
+# refused as keywords. Optimizer, loss and schedule only when they are objects (not None/names).
 REPLACED_BY = {
     "model": keys("model", "arch", "norm", "drop_path", "model_kwargs", "pretrained"),
     "train_set": keys("data", "dataset", "catalog", "classes", "train_index"),
@@ -145,8 +143,7 @@ def with_defaults(config: Config, arguments: list[str]) -> Config:
 
 
 def resolve_devices(devices: Any) -> list[str]:
-    """A list (["cuda:0", "cuda:1"], ["cpu", "cpu"]), "all" (every visible GPU, else one CPU
-    device) or a count of GPUs."""
+    """A list (["cuda:0", "cuda:1"], ["cpu", "cpu"]), "all" (every GPU, else one CPU) or a count."""
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if devices == "all":
         return [f"cuda:{i}" for i in range(visible)] or ["cpu"]
@@ -218,8 +215,8 @@ def check_optimizer(optimizer: Any, model: nn.Module) -> None:
 
 
 def check_loss(loss: Any, num_classes: int, config: Config) -> None:
-    """A callable whose value for a blank batch is a scalar tensor (a loss that fails on it
-    is left to the first step)."""
+    """A callable whose value for a blank batch is a scalar tensor (if it raises, the first step
+    tells)."""
     if loss is None:
         return
     if not callable(loss):

@@ -1,11 +1,9 @@
 """The Python API: open_catalog, prepare_training, train (and app.logging_to, app/loggers).
 
-It builds the same TrainJob as the driver (app/launch/run.py) from arguments instead of
-flags, with the caller's model, optimizer, schedule and loss as the run's Parts, and runs it
-in replica threads of this process (the default) or in the driver's worker processes. The
-caller's thread watches the replicas, delivers the primary's log records to the caller's
-loggers, and turns an interrupt (a notebook's Stop is SIGINT) into a checkpoint and an early
-return. See docs/python-api.md.
+It builds the driver's TrainJob (app/launch/run.py) from arguments instead of flags, with the
+caller's objects as the run's Parts, and runs it in replica threads (the default) or the
+driver's worker processes, watched from the caller's thread: it delivers the primary's log
+records and turns an interrupt into a checkpoint and an early return. See docs/python-api.md.
 """
 
 from __future__ import annotations
@@ -92,10 +90,8 @@ def prepare_training(model: nn.Module, train_set: Split, devices: Any = "all",
     parallel: "threads" (default: a thread per device in this process, nothing pickled) or
         "processes" (the driver's worker processes: model, loss and optimizer must pickle).
     config: a run config (TOML) under the keywords; knobs: any of its keys, as the driver's
-        flags name them (label_smoothing=0.1, auto_augment="ta_wide", decoder="dali", ...).
-        The keys your own objects replace (arch by the model, lr by your optimizer,
-        label_smoothing by your loss, ...) are ignored from the file, named in one warning
-        by train, and refused as keywords.
+        flags name them (label_smoothing=0.1, decoder="dali", ...), except those your own
+        objects replace (arch, lr, ...): ignored from the file (with a warning), refused here.
     Every mistake is a UserError naming the argument, raised here, before anything runs."""
     resolved = api_inputs.resolve_devices(devices)
     sizes = {"batch_size": batch_size, "epochs": epochs, "image_size": image_size}

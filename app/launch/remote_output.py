@@ -1,11 +1,6 @@
-"""--output-dir at a URL: the run folder staged on this machine, mirrored to the bucket.
-
-Before any worker starts (the primary only): the bucket takes a write, and a new run does not
-reuse the name of one already there. `--resume auto` on a machine that has never seen the run
-fetches the bucket's last.pt and the run's other files (metrics.jsonl, ...) into the staging
-folder; `--resume URL` fetches that checkpoint into the cache. While the run trains, the
-upload process (app/catalog/uploader.py) uploads what the primary says it saved; at the end the
-driver waits for it, after a stop request only for what is left of --stop-timeout.
+"""--output-dir at a URL: the run folder is staged on this machine and mirrored to the bucket by
+the upload process (app/catalog/uploader.py). The bucket is checked, and the run's name claimed,
+before any worker starts; at the end the driver waits for the uploads.
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signa
 from app.training.job import TrainJob
 
 log = logging.getLogger("imagenet_dp")
-# After a run that ends on its own, the driver waits this long at most for the last uploads
-# (a 10 GB checkpoint at 100 MB/s takes 100 s); after a stop request, --stop-timeout rules.
+# The most the driver waits for the last uploads of a run that ends on its own (a 10 GB
+# checkpoint at 100 MB/s takes 100 s); after a stop request, --stop-timeout rules.
 FINISH_TIMEOUT_S = 600.0
 
 
@@ -52,9 +47,8 @@ def fetched_checkpoint(catalog: Catalog, url: str) -> tuple[str, str]:
 
 
 def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
-    """`--resume auto` for a run folder in a bucket: the bucket's last.pt (the checkpoint whose
-    upload completed last) fetched into the staging folder, with the run's other files this
-    machine lacks; "" when the bucket has no checkpoint of the run yet."""
+    """`--resume auto` for a bucket's run: its last.pt (the last completed upload) and the run's
+    other files this machine lacks, fetched into the staging folder; "" without a checkpoint yet."""
     remote = RemoteRunFolder(run_store(catalog, output_dir, name))
     local = run_dir(output_dir, name)
     try:
@@ -76,9 +70,8 @@ def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
 
 
 def check_bucket(store: DatasetRoot, resuming: bool, config_toml: str) -> None:
-    """The bucket takes writes, and a new run does not take a name that holds a run: it
-    claims the name by writing its config.toml only where none is (two runs that start with
-    one name at the same moment: one is refused)."""
+    """The bucket takes writes, and a new run claims its name by writing config.toml only where
+    none is (of two runs starting with one name at once, one is refused)."""
     remote = RemoteRunFolder(store)
     remote.check_writable()
     if not resuming and not remote.claim("config.toml", config_toml.encode()):
@@ -87,8 +80,7 @@ def check_bucket(store: DatasetRoot, resuming: bool, config_toml: str) -> None:
 
 
 def start_uploads(job: TrainJob, primary: bool) -> tuple[UploadProcess | None, TrainJob]:
-    """For a run folder in a bucket, on the primary: the upload process, and the job that
-    carries its inbox to the process that saves."""
+    """On the primary, for a bucket's run: the upload process, and the job carrying its inbox."""
     if not (job.output_store and primary):
         return None, job
     uploader = UploadProcess(Path(job.run_dir), RemoteRunFolder(job.output_store),
@@ -119,9 +111,8 @@ def finish_uploads(uploader: UploadProcess | None, code: int, stop_timeout: floa
 
 
 def stop_hint(store: DatasetRoot, local_last: Path, mirrored: Mirrored | None) -> tuple[str, str]:
-    """(what holds the stop's checkpoint, the --resume that continues from it). The bucket
-    does once its last.pt is a copy of the stop's step file, even if older ones (or the
-    metrics) were still waiting when --stop-timeout ran out."""
+    """(what holds the stop's checkpoint, the --resume that continues from it): the bucket once
+    its last.pt copies the stop's step file, even if older files were still waiting."""
     if mirrored is not None and mirrored.newest_named:
         name = Path(mirrored.newest).name
         return f"{store.describe('checkpoints/last.pt')} (a copy of {name})", "auto"

@@ -91,8 +91,7 @@ def starts_processes(parallel: ParallelConfig, run: RunConfig) -> bool:
 
 def worker_imports(config: Config) -> list[str]:
     """What the run's processes import as they start, which the forkserver imports once for all
-    of them: the worker's loop, the model factory and its library, the sync modes' modules,
-    the input pipeline's (the primary's loggers import their own libraries themselves)."""
+    of them (the primary's loggers import their own libraries themselves)."""
     modules = [WORKER.module, "app.models.factory", "app.parallel.ps_server",
                "app.parallel.ps_worker", "app.parallel.allreduce", "app.data.pillow_pipeline",
                "fsspec"]  # every reader opens the dataset through fsspec
@@ -247,8 +246,7 @@ def position(state: dict) -> str:
 
 
 def launched_device(devices: list[str], launch: LaunchEnv) -> str:
-    """A launcher starts one process per GPU: the local rank picks it (or CPU when asked
-    for); under srun --gpus-per-task 1 the task sees only its own GPU."""
+    """This process's device: a launcher starts one process per GPU (LaunchEnv.device)."""
     import torch  # noqa: PLC0415
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return launch.device(devices[0], visible, bound="SLURM_GPUS_PER_TASK" in os.environ)
@@ -319,9 +317,8 @@ def new_run_id() -> str:
 
 
 def resumed_run_id(checkpoint_path: str) -> str:
-    """The run id stored in the checkpoint we resume from ("" for a fresh start), so a resumed
-    run continues the same wandb run. Also rejects a broken checkpoint before any process
-    starts."""
+    """The run id stored in the checkpoint we resume from ("" for a fresh start): a resumed run
+    continues the same wandb run. Also rejects a broken checkpoint before any process starts."""
     if not checkpoint_path:
         return ""
     from app.training import checkpoint  # noqa: PLC0415 (imports torch: only when resuming)

@@ -53,9 +53,8 @@ class LoaderDied(SyncFailure):
 @peer_loss_as_sync_failure()
 def run_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: int, parts: Parts,
                 primary_logger: Callable[[], Logger]) -> int:
-    """A loader's death reaches this process as an error from wherever it was (the DataLoader's
-    SIGCHLD handler interrupts any code; a batch on its way breaks): whatever the error, a
-    loader process of this worker that died is its cause, told in one line."""
+    """A loader's death reaches this process as an error from wherever it was (its SIGCHLD
+    handler interrupts any code): whatever the error, a dead loader of this worker is its cause."""
     try:
         return train_replica(job, env, plan, cpu_workers, parts, primary_logger)
     except (RuntimeError, OSError, EOFError) as error:
@@ -87,9 +86,8 @@ def train_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
 
 
 def launched_process(job: TrainJob, launch: LaunchEnv, device: str) -> int:
-    """Under torchrun, srun or mpirun this process is one worker; the launcher watches the
-    processes (torchrun --max-restarts starts them all again when one fails; Slurm ends the
-    step; mpirun ends the job)."""
+    """Under torchrun, srun or mpirun this process is one worker, and the launcher watches the
+    processes (restarts them, or ends the step or the job, when one fails)."""
     env = WorkerEnv(rank=launch.rank, world_size=launch.world_size, device=device)
     try:
         code = train_process(job, env, launched_plan(device, job.config.parallel,

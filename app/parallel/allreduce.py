@@ -1,8 +1,7 @@
-"""All-reduce through torch.distributed: DistributedDataParallel (NCCL on GPUs, gloo on CPU).
-
-Started by the driver on loopback, or by torchrun for several machines. Host-side numbers
-(image counts, skipped-image lists) travel over a separate gloo group so they never wait on
-the GPU stream.
+"""All-reduce through torch.distributed: DistributedDataParallel (NCCL on GPUs, gloo on CPU),
+on loopback from the driver or across machines under a launcher. Host-side numbers (image
+counts, skipped-image lists) travel over a separate gloo group so they never wait on the GPU
+stream.
 """
 
 from __future__ import annotations
@@ -18,17 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.parallel.sync import (StepImages, checked_parameters, compare_checksums, float_buffers,
-                          scale_grads, weights_checksum)
+from app.parallel.sync import (StepImages, average_float_buffers, checked_parameters,
+                               compare_checksums, scale_grads, weights_checksum)
 from app.parallel.rounds import round_store
 from app.runtime.devices import WorkerEnv
-
-
-def backend_for(devices: list[str]) -> str:
-    """NCCL needs one GPU per process; CPU workers and several workers on one GPU use gloo."""
-    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
-        return "nccl"
-    return "gloo"
 
 
 def free_port() -> int:
@@ -71,9 +63,8 @@ class AllReduceSync:
 
     def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
         self.checked = checked_parameters(model, ema)
-        # DDP broadcasts rank 0's parameters and buffers here, so replicas start identical.
-        # broadcast_buffers=False: BatchNorm statistics are averaged explicitly before
-        # evaluation and saving (and rank-0-only evaluation cannot hang on a broadcast).
+        # DDP broadcasts rank 0's parameters and buffers here; no broadcast later: BatchNorm
+        # statistics are averaged before evaluation and saving (nothing to hang on).
         device_ids = [torch.device(self.env.device).index] if self.env.device.startswith(
             "cuda") else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids,
@@ -88,10 +79,9 @@ class AllReduceSync:
             if self.step_index and self.step_index % self.check_every == 0:
                 self.check_replicas()
             self.step_index += 1
-        # DDP averages over workers; scaling each loss by n_w x N / unit (unit: the images of
-        # the step's first micro-batch with any, over all workers) makes .grad the
-        # image-weighted sum / unit; finish_step turns it into the mean. Without accumulation
-        # unit is the step's total, and the factor exactly 1.0 when all batches are full.
+        # DDP averages over workers: scaling each loss by n_w x N / unit (StepImages, over all
+        # workers) makes .grad the image-weighted sum / unit, which finish_step turns into the
+        # mean; the factor is exactly 1.0 for full batches without accumulation.
         scale = self.images.relative(weight) * self.env.world_size
         # a worker without images cannot run DDP's backward; accumulating micro-batches keep
         # their gradients (DDP's no_sync): either way DDP does not exchange in this backward
@@ -105,10 +95,8 @@ class AllReduceSync:
     def finish_step(self) -> int:
         params = list(self.ddp.module.parameters())
         if self.someone_empty and self.images.total:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in params])
-            dist.all_reduce(flat)
-            flat.div_(self.env.world_size)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = self.mean_over_workers(torch.cat([g.reshape(-1) for g in grads]))
             for param, values in zip(params, flat.split([p.numel() for p in params])):
                 param.grad = values.view_as(param).clone()
         scale_grads(params, self.images.to_mean())
@@ -125,14 +113,12 @@ class AllReduceSync:
         return values
 
     def average_buffers(self, model: nn.Module) -> None:
-        buffers = float_buffers(model)
-        if not buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        average_float_buffers(model, self.mean_over_workers)
+
+    def mean_over_workers(self, flat: torch.Tensor) -> torch.Tensor:
+        """The element-wise mean over workers, in place."""
         dist.all_reduce(flat)
-        flat.div_(self.env.world_size)
-        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers])):
-            buffer.copy_(values.view_as(buffer))
+        return flat.div_(self.env.world_size)
 
     def check_replicas(self) -> None:
         """DDP keeps replicas identical by construction; this checks that it did."""

@@ -1,13 +1,9 @@
-"""Gradients as a few flat buckets, filled in the order backward produces them.
-
-Parameters are grouped in reverse registration order (close to the order backward reaches
-them) into buckets of about `bucket_mb`; a hook on each parameter notices when the last
-gradient of a bucket has been accumulated, so that bucket can be handed over while backward
-goes on with the rest.
-
-Each tensor is flattened in the memory order of its parameter, not in logical (NCHW) order:
-a channels_last weight's gradient is then packed and unpacked through views, with no reshape
-copy, and every worker agrees on the order because every replica has the same layout.
+"""Gradients as a few flat buckets, filled in the order backward produces them: parameters in
+reverse registration order (close to backward's) make buckets of about `bucket_mb`, and a hook
+per parameter hands a bucket over once its last gradient is accumulated, while backward goes on.
+Each tensor is flattened in its parameter's memory order, not logical (NCHW) order: a
+channels_last gradient is packed and unpacked through views, with no reshape copy, and every
+worker agrees on the order because every replica has the same layout.
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ class BucketLayout:
         return tuple(sum(n) for n in self.numels)
 
     def allocate(self, device: torch.device | str, shared: bool) -> torch.Tensor:
-        """One zeroed flat buffer for all buckets (`views` splits it): passed to another
-        process, it is one shared-memory segment (CPU; `shared` puts it there) or one CUDA IPC
-        handle, however many buckets there are."""
+        """One zeroed flat buffer for all buckets (`views` splits it): one shared-memory segment
+        (CPU, `shared`) or one CUDA IPC handle for another process, however many buckets."""
         flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=device)
         if shared and torch.device(device).type == "cpu":
             flat.share_memory_()

@@ -1,24 +1,16 @@
-"""Who may touch a bucket when: the order between a worker's GPU work and the server's, without
-a full device synchronize per bucket on either side.
+"""Who may touch a bucket when, without a full device synchronize per bucket on either side.
 
-Each worker owns two buffers per bucket: `grads` (it packs its gradients there; the server
-reads them) and `inbox` (the server writes the average there; the worker unpacks it). Two
-guarantees must hold:
-1. the server never reads a worker's `grads` bucket while the worker still writes it;
-2. the server never overwrites a worker's `inbox` bucket while the worker still reads it.
-
-On CUDA each bucket has two interprocess events, made by the worker on its device and handed
-to the server once, with the buffers:
-- `written`: the worker records it on its stream right after packing, then says "bucket b of
-  step k is ready"; the server makes its stream wait on it before enqueuing any read.
-- `averaged`: the server records it after enqueuing the copy into the worker's inbox, then
-  says "average b of step k"; the worker's stream waits on it before the unpack.
-A message always follows the record it announces, so a wait never sees an older record than
-the one meant. Guarantee 2 follows from stream order: the worker packs bucket b of step k+1
-(and records `written` again) only after its unpack of step k on the same stream, and the
-server's next write into that inbox waits for that record.
-
-On CPU everything a process did is finished when it sends its message: nothing to do.
+Each worker owns two buffers per bucket: `grads` (it packs, the server reads) and `inbox` (the
+server writes the average, the worker unpacks). On CUDA each bucket has two interprocess events,
+made by the worker on its device and handed to the server once, with the buffers: `written`,
+recorded by the worker after packing and before its message "bucket b of step k is ready",
+which the server's stream waits on before any read; and `averaged`, recorded by the server
+after enqueuing the copy into the inbox and before its message "average b of step k", which the
+worker's stream waits on before the unpack. A message always follows the record it announces,
+so a wait never sees an older record than the one meant; and the server never overwrites an
+inbox the worker still reads, since the worker packs step k+1 (recording `written` again) only
+after its unpack of step k on the same stream. On CPU a process's work is finished when it
+sends its message.
 """
 
 from __future__ import annotations
@@ -84,13 +76,10 @@ class CudaWorkerSignals:
 
 
 class CudaServerSignals:
-    """The server's side: for each worker its device and its two lists of events.
-
-    The server moves data with tensor.copy_, which for a copy between devices runs on the
-    source device's current stream and orders itself against the destination's current
-    stream in both directions. So waiting on the worker device's current stream orders every
-    read of that worker's buffers, and recording on it after the inbox copy marks the end of
-    the write."""
+    """The server's side: for each worker its device and its two lists of events. A copy_
+    between devices runs on the source's current stream and is ordered against the destination's
+    in both directions, so the worker device's current stream orders every read of its buffers,
+    and a record on it after the inbox copy marks the end of the write."""
 
     def __init__(self, devices: list[torch.device], events: list[tuple[list, list]]):
         self.devices = devices

@@ -1,13 +1,8 @@
-"""The process supervisor: starts the worker processes (and the helpers their sync mode needs)
-and watches them.
-
-The driver starts every process from the run's forkserver (app/runtime/forkserver.py: imported
-once, then forked in milliseconds; never a fork of the driver itself, which may hold CUDA or an
-S3 client) and then only watches: if any process dies, all others are stopped within seconds
-and the driver exits non-zero naming the process and how it ended. SIGINT/SIGTERM/SIGUSR1 ask
-the workers to save and stop, whether they reach the driver alone or every process of the run
-(the children leave them to the driver, which ends them with SIGKILL when it must). What runs inside a worker is the caller's `target`
-(app/launch/worker.py for training).
+"""The process supervisor: starts the worker processes (and their sync mode's helpers) from the
+run's forkserver (app/runtime/forkserver.py) and watches them: if any dies, all others are
+stopped within seconds and the driver exits non-zero naming the process and how it ended.
+SIGINT/SIGTERM/SIGUSR1 ask the workers to save and stop, whether they reach the driver alone or
+every process of the run (children leave them to the driver, which ends them with SIGKILL).
 """
 
 from __future__ import annotations
@@ -45,13 +40,10 @@ STOP_GRACE_S = 3.0  # for a killed child to be reaped
 
 def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
                 caller: forkserver.Caller, server: int) -> None:
-    """Wraps every child: takes the driver's environment and output as they were when the
-    child was started, dies with the forkserver `server` (which ends with the driver), leaves
-    every stop signal to the driver (a terminal's Ctrl-C, Slurm's preemption and --signal,
-    systemd's stop of a machine and `kill -- -PGID` reach every process, not only the driver:
-    each is the same request to save, which the driver passes on as a step to stop after), and
-    reports why it failed before exiting non-zero. The driver ends a child with SIGKILL
-    (stop_all)."""
+    """Wraps every child: takes the driver's environment and output as they were at its start,
+    dies with the forkserver `server` (which ends with the driver), leaves every stop signal to
+    the driver (each reaching every process is one request to save, passed on by the driver) and
+    reports why it failed before exiting non-zero."""
     forkserver.take_over(caller)
     die_with_parent()
     if os.getppid() != server:  # the server (and the driver) went before the line above
@@ -108,14 +100,11 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
            config: ParallelConfig, stopping: Stopping = Stopping(),
            on_failure: Callable[[str], None] = print_failure, replaceable: bool = False,
            on_tick: Callable[[], None] | None = None, preload: tuple[str, ...] = ()) -> int:
-    """Run `target(job, env, plan, cpu_workers)` once per device (`mode` from
-    app/parallel/plans.py SYNC_MODES): in this process for an in-process mode (unless the
-    caller may have to replace the worker: `replaceable`), else in processes started from the
-    forkserver, plus the helpers the mode needs (the parameter server). The forkserver imports
-    the targets' modules and `preload` (the model's library) once. Returns the exit code: 0,
-    PREEMPTED_EXIT_CODE (stopped on request with a checkpoint), or a failure's, whose cause
-    (which process, how it ended) goes to `on_failure` as one line. `on_tick` is called
-    every POLL_S while the processes run (the Python API delivers log records there)."""
+    """Run `target(job, env, plan, cpu_workers)` once per device (`mode`: a SYNC_MODES key): in
+    this process for an in-process mode (unless `replaceable`: the caller may have to replace the
+    worker), else in processes from the forkserver, which imports the targets' modules and
+    `preload` once. Returns 0, PREEMPTED_EXIT_CODE or a failure's code, its cause told to
+    `on_failure` in one line. `on_tick` runs every POLL_S."""
     sync_mode = SYNC_MODES[mode]
     if sync_mode.in_process and not replaceable:
         plan = sync_mode.setup(None, devices, config, None).plan
@@ -146,8 +135,7 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
 def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], reports: Queue,
                    preload: set[str]) -> list[Child]:
     """Each (name, target, args) in a process of its own, forked by the forkserver once it has
-    imported the targets' modules and `preload`; StartFailure if the server died meanwhile
-    (the processes already started are stopped then)."""
+    imported the targets' modules and `preload`; StartFailure if the server died meanwhile."""
     preload |= {forkserver.module_of(target) for _, target, _ in runs}
     forkserver.start(preload)
     moment("driver:launch")
@@ -187,8 +175,7 @@ class StopSignals:
     def handle(self, signum, _frame) -> None:
         note_stop_signal()
         now = time.monotonic()
-        # One request may reach the driver twice within milliseconds: Slurm signals every
-        # process of a step and srun (or torchrun) passes on what it got as well.
+        # One request twice within milliseconds (REPEAT_WINDOW_S says how it comes)
         if self.received is not None and now - self.received_at <= REPEAT_WINDOW_S:
             return
         self.received, self.received_at = signum, now
@@ -218,10 +205,9 @@ class StopSignals:
 def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
               stopping: Stopping, on_failure: Callable[[str], None] = print_failure,
               on_tick: Callable[[], None] | None = None, server: int | None = None) -> int:
-    """Wait for all children to finish. On the first failure, stop them all. On a signal, ask
-    the workers to save and stop at the next step, and wait for that up to stop_timeout; a
-    second signal (or the timeout) stops them at once. `server`: the forkserver the children
-    were started from (they die with it)."""
+    """Wait for all children to finish; on the first failure stop them all. A signal asks the
+    workers to save and stop at the next step, waited for up to stop_timeout; a second signal (or
+    the timeout) stops them at once. `server`: the forkserver (the children die with it)."""
     signals = StopSignals()
     interval = Interval(stopping.checkpoint_interval)
     deadline = None
@@ -310,11 +296,10 @@ def has_failed(child: Child) -> bool:
 
 
 def stop_all(children: list[Child]) -> set[str]:
-    """SIGKILL every child, and the grandchildren (data loader workers) found before their
-    parents went away: the stop signals are the run's requests to save, which children leave
-    to the driver, so its order to end is one that no scheduler sends as a request. (A child
-    has nothing to tidy at this point: the run is failing or was told to stop at once.)
-    Returns the names of the children this ended (not those that were ending anyway)."""
+    """SIGKILL every child, and the grandchildren (loader processes) found before their parents
+    went: the stop signals are requests to save, left to the driver, so its order to end must be
+    one no scheduler sends as a request. Returns the names of the children this ended (not those
+    that were ending anyway)."""
     alive = [c for c in children if c.process.exitcode is None]
     below = [pid for c in alive for pid in descendants(c.process.pid)]
     for child in alive:

@@ -1,11 +1,7 @@
-"""Messages between processes: sent and received so that a failure is one line that names the
-peer and the likely cause, never a traceback from a queue's thread or a silently lost message.
-
-A multiprocessing queue pickles in a background thread: a message that cannot be pickled (or
-whose shared memory cannot be passed, for lack of file descriptors) is reported there as a
-traceback and then dropped, and the receiver waits in vain. `post` pickles in the sender's own
-thread instead, so the failure is an exception where it happened; the queue then carries the
-bytes, and the receiver's `get` rebuilds the message as before.
+"""Messages between processes, sent so that a failure is one line naming the peer and the likely
+cause: a multiprocessing queue pickles in a background thread, where a message that cannot be
+pickled (or whose shared memory cannot be passed) is reported as a traceback and dropped while
+the receiver waits in vain; `post` pickles in the sender's thread, raising where it happened.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ def post(queue: Queue, message: tuple, to: str) -> None:
 
 @dataclass(frozen=True)
 class ServerLinks:
-    """The queues between the parameter server and its workers; made by the launcher,
-    inherited by both."""
+    """The queues between the parameter server and its workers, made by the launcher."""
     inbox: Queue  # workers -> server: ("register" | "grads" | "reduce" | "checksum" | "done", ...)
     outboxes: list[Queue]  # server -> worker r: ("hello" | "avg" | "reduced", ...)
 

@@ -1,10 +1,7 @@
 """Many tensors in one flat buffer, so that sharing them with another process costs one
-shared-memory segment, and so one file descriptor, whatever their number.
-
-torch shares a CPU tensor between processes through a file descriptor per storage, held by
-the sender until the receiver has fetched it and kept by the receiver for the life of the
-storage. A ResNet-50's state_dict has 320 entries: sent entry by entry to 4 workers, that is
-over a thousand descriptors at once, past the 1,024 most shells allow (`ulimit -n`).
+shared-memory segment, and so one file descriptor: torch shares a CPU tensor through a
+descriptor per storage, and a ResNet-50's 320 state_dict entries sent to 4 workers would pass
+the 1,024 most shells allow (`ulimit -n`).
 """
 
 from __future__ import annotations

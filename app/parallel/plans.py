@@ -1,9 +1,7 @@
-"""How a worker reaches its peers: one entry per sync mode, name -> plan.
-
-A plan is made by the driver before it spawns anything, travels to every worker (it is
-picklable) and there connects to the peers: `plan.connect(env)` returns the GradientSync the
-training loop uses. A mode may also need processes of its own beside the workers (the
-parameter server). Adding a mode is one entry in SYNC_MODES.
+"""How a worker reaches its peers: one entry per sync mode in SYNC_MODES. The driver makes a
+plan before it spawns anything; the plan (picklable) travels to every worker, where
+`plan.connect(env)` returns the loop's GradientSync. A mode may also run helper processes
+beside the workers (the parameter server).
 """
 
 from __future__ import annotations
@@ -93,9 +91,16 @@ def ps_setup(context: Any, devices: list[str], config: ParallelConfig,
     return Setup(PsPlan(links, config, requests), [server])
 
 
+def backend_for(devices: list[str]) -> str:
+    """NCCL needs one GPU per process; CPU workers and several workers on one GPU use gloo."""
+    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "gloo"
+
+
 def allreduce_setup(context: Any, devices: list[str], config: ParallelConfig,
                     requests: SharedRequests | None) -> Setup:
-    from app.parallel.allreduce import backend_for, free_port  # noqa: PLC0415
+    from app.parallel.allreduce import free_port  # noqa: PLC0415
     return Setup(AllReducePlan(f"tcp://127.0.0.1:{free_port()}", backend_for(devices), config,
                                requests))
 
@@ -132,5 +137,4 @@ def choose_sync(requested: str, devices: list[str], launch: LaunchEnv | None) ->
 def launched_plan(device: str, config: ParallelConfig, init_method: str) -> AllReducePlan:
     """Under torchrun the process group comes from torchrun's environment (env://); under
     srun from task 0's address (tcp://), which every task derived from Slurm's variables."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    return AllReducePlan(init_method, backend, config)
+    return AllReducePlan(init_method, backend_for([device]), config)

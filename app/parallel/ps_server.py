@@ -1,15 +1,9 @@
-"""The parameter server process: broadcasts the initial weights, then runs `syncgrads`.
-
-It imports neither timm nor the model: buckets, names and weights come from the workers.
-
-Each worker owns, per bucket, a `grads` buffer it packs its gradients into and an `inbox` the
-server writes the average into (shared memory on CPU, CUDA IPC on GPU: mapped once, at
-registration); the queues carry only small messages. For each bucket of each step the server
-waits until every worker has handed it over, sums the weighted gradients on that bucket's
-reduction device, divides by the images of the step and copies the average into every
-worker's inbox. On GPUs the buckets' reduction devices take turns over the workers' GPUs, so
-no single GPU carries all the traffic, and the order between processes is kept with CUDA
-events instead of device synchronizes (app/parallel/handover.py).
+"""The parameter server process: broadcasts worker 0's initial weights, then runs `syncgrads`.
+It imports neither timm nor the model: buckets, names and weights come from the workers, whose
+`grads` and `inbox` buffers (handover.py) it maps once, at registration; the queues carry only
+small messages. Each bucket is summed on its reduction device, divided by the step's images and
+copied into every inbox; the reduction devices take turns over the workers' GPUs, so no single
+GPU carries all the traffic.
 """
 
 from __future__ import annotations
@@ -55,9 +49,8 @@ def serve(links: ServerLinks, device: str, timeout_s: float) -> None:
 
 def run_server(links: ServerLinks, timeout_s: float, signals: ServerSignals | None = None,
                abort: Abort | None = None) -> None:
-    """Collect every worker's registration, broadcast worker 0's weights (it has restored any
-    checkpoint already), then average until every worker is done. The same code serves
-    worker processes (a process of its own: `serve`) and replica threads (a thread)."""
+    """Collect the registrations, broadcast worker 0's weights (any checkpoint restored), then
+    average until every worker is done; for worker processes (`serve`) and replica threads alike."""
     watch = Watch(timeout_s=timeout_s, abort=abort)
     workers = register_workers(links, watch)
     moment("server:registered")

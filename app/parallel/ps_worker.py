@@ -1,7 +1,6 @@
 """A worker's side of the parameter server: hand buckets over during backward, wait for the
-averages, keep replicas honest with a periodic checksum. The order between this process's GPU
-work and the server's is kept with CUDA events (app/parallel/handover.py), never a device
-synchronize."""
+averages, send a periodic checksum. GPU work is ordered against the server's with CUDA events
+(handover.py), never a device synchronize."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from app.parallel.sync import StepImages, checked_parameters, float_buffers, weights_checksum
+from app.parallel.sync import (StepImages, average_float_buffers, checked_parameters,
+                               weights_checksum)
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.handover import WorkerSignals, worker_signals
 from app.parallel.messages import ServerLinks, post
@@ -42,8 +42,8 @@ class ParameterServerSync:
         self.checked = checked_parameters(model, ema)
         self.params = list(model.parameters())
         self.layout = BucketLayout.for_params(self.params, self.bucket_mb)
-        # Each side of the exchange is one flat buffer: one descriptor (or CUDA IPC handle)
-        # for the server to map, however many buckets.
+        # each side of the exchange is one flat buffer: one descriptor (or CUDA IPC handle)
+        # for the server to map, however many buckets
         grads, inbox = (self.layout.allocate(self.env.device, shared=True) for _ in range(2))
         self.buckets, self.inbox = self.layout.views(grads), self.layout.views(inbox)
         self.signals = self.signals or worker_signals(torch.device(self.env.device),
@@ -98,7 +98,8 @@ class ParameterServerSync:
     def send_checksum(self) -> None:
         """The weights after `step_index` updates; the server compares them across workers
         without making anybody wait."""
-        self.send(("checksum", self.env.rank, self.step_index, weights_checksum([t for _, t in self.checked])))
+        checksum = weights_checksum([t for _, t in self.checked])
+        self.send(("checksum", self.env.rank, self.step_index, checksum))
 
     def reduce(self, op: str, payload: Any) -> Any:
         key = self.reduce_index
@@ -117,13 +118,8 @@ class ParameterServerSync:
         return self.reduce("gather", value)
 
     def average_buffers(self, model: nn.Module) -> None:
-        buffers = float_buffers(model)
-        if not buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1).double().cpu() for b in buffers]).numpy()
-        averaged = torch.from_numpy(self.reduce("mean", flat)).split([b.numel() for b in buffers])
-        for buffer, values in zip(buffers, averaged):
-            buffer.copy_(values.view_as(buffer))
+        average_float_buffers(model, lambda flat: torch.from_numpy(
+            self.reduce("mean", flat.double().cpu().numpy())))
 
     def send(self, message: tuple) -> None:
         post(self.links.inbox, message, "the parameter server")

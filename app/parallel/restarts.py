@@ -1,12 +1,7 @@
-"""--max-restarts N on one machine: after a failure, start the whole group again, up to N times.
-
-What torchrun's elastic agent does for its workers, for the processes the driver starts: when a
-worker or the parameter server dies, the supervisor has already stopped every other process
-(app/parallel/launcher.py); this loop waits a moment and starts the group again, which then
-continues from the run's newest checkpoint (the caller's `prepare` finds it each time).
-Only failures are retried: a user error (exit 2: bad config, too many bad images, a checkpoint
-that does not fit) would fail the same way again, and a stop on request (exit 75, or 128+signal)
-is what the user asked for.
+"""--max-restarts N on one machine: after a failure (the supervisor has stopped every process),
+start the whole group again, up to N times, as torchrun's elastic agent does, from the run's
+newest checkpoint (the caller's `prepare` finds it). Only failures are retried: a user error
+(exit 2) would fail the same way again, and a stop on request (75, 128+signal) was asked for.
 """
 
 from __future__ import annotations
@@ -39,10 +34,9 @@ def backoff_s(number: int) -> float:
 
 def run_with_restarts(start: Callable[[Callable[[str], None]], int], max_restarts: int,
                       prepare: Callable[[Restart], str]) -> int:
-    """`start(on_failure)` runs the group once and returns its exit code; it tells
-    `on_failure` the cause of a failure. Before each restart, `prepare(restart)` gets the next
-    start ready (the newest checkpoint), records the restart and says where the group will
-    continue from; that goes on the console as one line."""
+    """`start(on_failure)` runs the group once and returns its exit code, telling `on_failure`
+    a failure's cause. Before each restart, `prepare(restart)` gets the next start ready (the
+    newest checkpoint), records the restart and says where the group continues (one line)."""
     causes: list[str] = []
 
     def on_failure(cause: str) -> None:

@@ -1,21 +1,15 @@
 """The store for this torchrun round's process group: new every round, whatever torchrun keeps.
 
-torchrun (torch.distributed.elastic) restarts every worker after a failure and hands the new
-processes RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for the new rendezvous round. With the
-c10d rendezvous its agent serves one TCPStore at MASTER_ADDR:MASTER_PORT for all rounds
+With the c10d rendezvous torchrun's agent serves one TCPStore for all rounds
 (TORCHELASTIC_USE_AGENT_STORE=True), and init_process_group("env://") writes its keys there
-without a round prefix. A restarted rank then reads the gloo addresses of the previous
-round's processes and fails with "Gloo connectFullMesh failed ... Connection refused"
-(pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT cannot name the round: each node's agent
-counts only its own restarts (a restart for a membership change counts nowhere), so ranks on
-different nodes may disagree.
-
-So rank 0 opens a new, empty store for each round and publishes its address through the store
-torchrun hands over; the other ranks connect to the address they find there. An address left
-by an earlier round cannot be taken for this one's: torchrun stops every process of a round
-before the next rendezvous completes, so a connection to it is refused, and they read again.
-Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a launcher that only sets
-the variables) rank 0 serves the handed-over store itself, new with every round: used as is.
+without a round prefix: a restarted rank reads the previous round's gloo addresses and fails
+("Gloo connectFullMesh failed ... Connection refused", pytorch/pytorch#135712); nor can
+TORCHELASTIC_RESTART_COUNT name the round (each node's agent counts only its own restarts).
+So rank 0 opens a new store each round and publishes its address in the handed-over one; the
+others connect to it, reading again while an earlier round's address refuses connections
+(torchrun stops every process of a round before the next rendezvous completes). Without the
+agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a launcher that only sets the
+variables) rank 0 serves the handed-over store itself, new every round.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The GradientSync interface the training loop calls (app/parallel/__init__.py shows how), and
-what every implementation shares: LocalSync (one worker), image-weighted steps, the replicas'
-checksums. ParameterServerSync (ps_worker.py) and AllReduceSync (allreduce.py) implement it."""
+"""The GradientSync interface (app/parallel/__init__.py shows how the loop calls it), LocalSync,
+and what every implementation shares: image-weighted steps, buffer averaging, checksums."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -16,9 +15,8 @@ from app.parallel.watch import SyncFailure
 
 class GradientSync(Protocol):
     def prepare(self, model: nn.Module, ema: nn.Module | None = None) -> nn.Module:
-        """Make replicas identical before the first step; returns the module to train.
-        `ema`: a model that follows it (the weights' moving average), whose parameters the
-        replica checks compare too."""
+        """Make replicas identical before the first step; returns the module to train. The
+        replica checks also compare `ema`'s parameters (the weights' moving average)."""
 
     def step(self, weight: int, last: bool = True) -> contextlib.AbstractContextManager[float]:
         """Wraps forward + backward of one micro-batch (`last`: the optimizer step's last, which
@@ -41,12 +39,10 @@ class GradientSync(Protocol):
 
 
 class StepImages:
-    """The image counts of one optimizer step's micro-batches (gradient accumulation).
-
-    Each micro-batch's mean loss is scaled by its images relative to `unit`, the images of the
-    step's first micro-batch that had any: .grad then holds (sum over images) / unit, of the
-    size of one micro-batch's mean (fp16 loss scaling stays in range), and a step of a single
-    micro-batch computes exactly what it did without accumulation (factor 1)."""
+    """The image counts of one optimizer step's micro-batches (gradient accumulation). Each
+    micro-batch's mean loss is scaled by its images relative to `unit`, the images of the step's
+    first micro-batch that had any: .grad then holds (sum over images) / unit, the size of one
+    micro-batch's mean (fp16 loss scaling stays in range), and a single micro-batch has factor 1."""
 
     def __init__(self):
         self.total = self.unit = 0
@@ -108,9 +104,15 @@ class LocalSync:
         pass
 
 
-def float_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers replicas must agree on by averaging (running mean/var, not counters)."""
-    return [b for b in model.buffers() if b.is_floating_point()]
+def average_float_buffers(model: nn.Module, mean: Callable[[torch.Tensor], torch.Tensor]
+                          ) -> None:
+    """Set the buffers replicas agree on by averaging (running mean/var, not counters) to
+    `mean` of them, flattened into one tensor: one exchange for all."""
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if buffers:
+        flat = mean(torch.cat([b.detach().reshape(-1) for b in buffers]))
+        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers])):
+            buffer.copy_(values.view_as(buffer))
 
 
 def checked_parameters(model: nn.Module, ema: nn.Module | None = None

@@ -1,12 +1,8 @@
 """Replicas as threads of one process: a thread per device, and the parameter server's
-`syncgrads` loop as one more thread (the seeds' "task based" single-node mode).
-
-The protocol and the averaging are the parameter server's own (ps_server.py, ps_worker.py):
-only the transport differs. Queues are `queue.Queue`s, so nothing is pickled (a model, loss
-or schedule defined in a notebook trains) and the buckets are the replicas' own tensors, read
-and written in place by the server thread. Threads cannot be killed: a replica that fails, or
-a stop that cannot wait, sets an `Abort` that ends every wait of the others within POLL_S
-(app/parallel/watch.py).
+`syncgrads` loop as one more thread, over `queue.Queue`s: nothing is pickled (a model, loss or
+schedule defined in a notebook trains), and the server thread reads and writes the replicas'
+own buckets in place. Threads cannot be killed: a replica that fails, or a stop that cannot
+wait, sets an `Abort` that ends every other wait within POLL_S (watch.py).
 """
 
 from __future__ import annotations
@@ -116,12 +112,11 @@ ABORT_GRACE_S = 30.0  # an aborted replica ends at its next wait: at most a step
 def run_threads(target: Callable, job: Any, devices: list[str], config: ParallelConfig,
                 stopping: Stopping = Stopping(), on_tick: Callable[[], None] = lambda: None
                 ) -> int:
-    """The counterpart of launcher.launch for threads: run the group and watch it from the
-    caller's thread, calling `on_tick` every TICK_S (the Python API delivers the primary
-    replica's log records there). SIGINT/SIGTERM/SIGUSR1 (a notebook's interrupt is SIGINT)
-    ask every replica to save and stop after the same step; a second one, or --stop-timeout,
-    stops them at their next wait without a checkpoint. Returns 0, PREEMPTED_EXIT_CODE, or
-    128 + the signal; a replica's own error is raised here, naming the replica."""
+    """The counterpart of launcher.launch for threads, watched from the caller's thread, which
+    calls `on_tick` every TICK_S. A stop signal (a notebook's interrupt is SIGINT) asks every
+    replica to save and stop after the same step; a second one, or --stop-timeout, stops them at
+    their next wait without a checkpoint. Returns 0, PREEMPTED_EXIT_CODE, or 128 + the signal; a
+    replica's own error is raised here, naming the replica."""
     requests, abort = in_process_requests(len(devices)), Abort()
     cpu_threads = torch.get_num_threads()  # each CPU replica sets its share in its thread
     signals = StopSignals() if threading.current_thread() is threading.main_thread() else None

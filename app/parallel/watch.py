@@ -1,8 +1,5 @@
-"""Liveness: no blocking wait without a timeout and a check that the other side still lives.
-
-Linux specifics (/proc, prctl) are used where they make failure handling reliable; elsewhere
-the checks degrade to os.kill(pid, 0).
-"""
+"""Liveness: no blocking wait without a timeout and a check that the other side still lives;
+a peer's failure becomes a one-line SyncFailure."""
 
 from __future__ import annotations
 
@@ -50,11 +47,10 @@ def likely_cause(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def peer_loss_as_sync_failure() -> Iterator[None]:
-    """torch.distributed reports a peer that died or stopped answering as an exception from
-    wherever the process happened to wait (DDP's backward, a gather, init_process_group):
-    gloo as a RuntimeError from its transport ("Read error ...: Connection reset by peer",
-    "Timed out waiting ..."), NCCL and the stores as a DistError. Turned into one line here;
-    any other exception keeps its traceback. Also a decorator."""
+    """torch.distributed reports a lost peer as an exception from wherever the process waited
+    (DDP's backward, a gather, init_process_group): gloo's transport as a RuntimeError
+    ("Connection reset by peer", "Timed out waiting ..."), NCCL and the stores as a DistError.
+    Turned into one line here; any other exception keeps its traceback. Also a decorator."""
     try:
         yield
     except SyncFailure:
@@ -75,9 +71,8 @@ def lost_a_peer(error: RuntimeError) -> bool:
 
 
 class Abort:
-    """Replicas that are threads of one process cannot be killed: when one fails, or a stop
-    cannot wait, the others are told through this, and every wait of theirs ends within
-    POLL_S with the reason."""
+    """Replicas that are threads cannot be killed: when one fails, or a stop cannot wait, the
+    others are told through this, and every wait of theirs ends within POLL_S with the reason."""
 
     def __init__(self):
         self.event = threading.Event()

@@ -1,5 +1,5 @@
-"""What every bin/ entry point shares: user mistakes become one line on stderr and exit 2;
-the process ends without the interpreter's slow teardown."""
+"""What every bin/ entry point shares: user mistakes become one line on stderr and exit 2; the
+process ends without the interpreter's slow teardown."""
 
 from __future__ import annotations
 
@@ -35,16 +35,11 @@ def kill_daemon_children() -> None:
 
 
 def end_process(code: int) -> NoReturn:
-    """Exit with `code` once the work is done: the exit handlers run (multiprocessing's stops
-    and joins what is left of this process's children and flushes their queues, logging's
-    flushes), the output is flushed, and then the process ends at once. The interpreter's
-    own teardown (collecting every module, the CUDA libraries' exit handlers) is skipped: it
-    took 3.6 s on a 2-core machine after a failed run had printed its error, and a
-    scheduler holds the job, and its nodes, until the process is gone (docs/benchmarks.md).
-
-    Daemon children still running (loader processes, after a failure) are killed first:
-    multiprocessing would end them with SIGTERM and wait for them, and loader processes
-    ignore SIGTERM (app/runtime/interrupts.py), so that wait would never end."""
+    """Exit with `code` once the work is done: the exit handlers run (multiprocessing joins
+    this process's children, logging flushes), the output is flushed, and the process ends at once,
+    skipping the interpreter's slow teardown (measured: docs/benchmarks.md) for which a scheduler
+    would hold the job's nodes. Daemon children (loader processes) are killed first: multiprocessing
+    would SIGTERM them and wait, and they ignore SIGTERM."""
     kill_daemon_children()
     run_exit_handlers()  # what sys.exit would run, in the same order
     for stream in (sys.stdout, sys.stderr):

@@ -1,6 +1,5 @@
 """Device discovery, where each worker runs, and who started this process (torchrun, srun,
-mpirun).
-torch is imported only when a device is actually looked up, so configuration mistakes are
+mpirun). torch is imported only when a device is looked up, so configuration mistakes are
 reported before its import cost."""
 
 from __future__ import annotations
@@ -26,12 +25,10 @@ class WorkerEnv:
         return self.rank == 0
 
 
-
 def use_device(device: str, cpu_workers: int = 1) -> None:
     """First thing in a worker process: on a GPU make it the current device, so that nothing
-    (the pinned-memory thread, a stray allocation) opens a context on GPU 0; on CPU share the
-    cores between the CPU workers instead of fighting over them, and never take more threads
-    than OMP_NUM_THREADS when it is set (a machine shared with other jobs, the test suite)."""
+    opens a context on GPU 0; on CPU share the cores between the CPU workers, never taking more
+    threads than OMP_NUM_THREADS when it is set (a machine shared with other jobs)."""
     import torch  # noqa: PLC0415
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -89,8 +86,7 @@ def worker_devices(gpus: int, devices: list[str], device: str) -> list[str]:
 @dataclass(frozen=True)
 class LaunchEnv:
     """This process as one worker of a group a launcher started: torchrun (also inside
-    Kubernetes' PyTorchJob), srun or mpirun/mpiexec. Built once from the environment, passed
-    down."""
+    Kubernetes' PyTorchJob), srun or mpirun/mpiexec."""
     rank: int
     world_size: int
     local_rank: int
@@ -101,17 +97,13 @@ class LaunchEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "LaunchEnv | None":
         """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win,
-        each of them, over Slurm's: torchrun started inside a Slurm job, or a batch script
-        that exports MASTER_ADDR before srun. An MPI launcher's ranks (app/runtime/mpi.py)
-        come before Slurm's tasks: mpirun or mpiexec inside an allocation starts its daemons
-        with srun, one task per node, and its ranks inherit that step's SLURM_PROCID and
-        SLURM_NTASKS, which are the daemons', not theirs. A PMI rank (PMI_RANK, PMI_SIZE)
-        whose number and count are those of the srun task around it was started by srun
-        itself (`srun --mpi=pmi2` sets them): Slurm's variables say more about it (its local
-        rank, the nodes). Never an Open MPI rank: srun does not set OMPI_COMM_WORLD_*, and
-        mpirun's ranks 0 and 1 of 2 inside a 2-node allocation would match their daemons'
-        step by chance, rank by rank (one read as srun's task, the other as mpirun's, meeting
-        at two places). None for a process no launcher started."""
+        each of them, over Slurm's (torchrun inside a Slurm job, a batch script exporting
+        MASTER_ADDR). An MPI launcher's ranks come before Slurm's tasks: mpirun inside an
+        allocation starts its daemons with srun, and its ranks inherit the daemons' SLURM_PROCID
+        and SLURM_NTASKS. A PMI rank matching the srun task around it was started by srun itself
+        (`srun --mpi=pmi2`): Slurm's variables say more about it. Never an Open MPI rank: srun
+        does not set OMPI_COMM_WORLD_*, and mpirun's ranks 0 and 1 of 2 on 2 nodes would match
+        their daemons' step by chance. None without a launcher."""
         if "RANK" in environ and "WORLD_SIZE" in environ:
             return cls(whole(environ, "RANK"), whole(environ, "WORLD_SIZE"),
                        whole(environ, "LOCAL_RANK", "0"), whole(environ, "LOCAL_WORLD_SIZE", "1"))
@@ -145,11 +137,9 @@ class LaunchEnv:
                         f"and {how}")
 
     def device(self, requested: str, visible_gpus: int, bound: bool) -> str:
-        """This worker's device: cpu when asked for (or without a GPU), else its own GPU.
-        A process that sees more GPUs than its local rank takes cuda:LOCAL_RANK (torchrun;
-        srun with --gpus-per-node, every task sees the node's GPUs). A process bound to its
-        own GPU sees only that one as cuda:0 (srun --gpus-per-task 1, or --gpu-bind; `bound`:
-        SLURM_GPUS_PER_TASK is set)."""
+        """This worker's device: cpu when asked for (or without a GPU), else its own GPU:
+        cuda:LOCAL_RANK where it sees the node's GPUs (torchrun; srun --gpus-per-node), cuda:0
+        where it is bound to its own (`bound`: srun --gpus-per-task 1, or --gpu-bind)."""
         if requested == "cpu" or visible_gpus == 0:
             return "cpu"
         if self.local_rank < visible_gpus:

@@ -1,7 +1,5 @@
-"""The one exception type for mistakes a user can make (bad config, missing data, ...), and the
-one way to quote any exception in a one-line message.
-
-bin/ entry points print a UserError's message as one line and exit with code 2; everything
+"""The one exception type for mistakes a user can make, and the one way to quote any exception
+in a one-line message. bin/ entry points print a UserError as one line and exit 2; everything
 else is a programming error and keeps its traceback.
 """
 

@@ -1,6 +1,5 @@
 """Atomic file writes: readers (and a process killed half-way) see the old file or the new one,
-never a torn one. Checkpoints, the resolved config, curves.png and the disk cache all write
-this way."""
+never a torn one."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ def temporary_path(path: Path) -> Path:
 
 
 def remove_temporaries(folder: Path, pattern: str = f".*{TEMPORARY_SUFFIX}") -> list[Path]:
-    """Temporary files in `folder` (matching `pattern`) of writers killed before their rename:
-    never read, only in the way (and copied along by `aws s3 sync`). Call it only where no
-    other process writes the same files at the time."""
+    """Temporary files in `folder` (matching `pattern`) of writers killed before their rename,
+    in the way (`aws s3 sync` copies them). Only where no other process writes there meanwhile."""
     stale = [path for path in Path(folder).glob(pattern) if path.is_file()]
     for path in stale:
         path.unlink(missing_ok=True)
@@ -32,8 +30,7 @@ def remove_temporaries(folder: Path, pattern: str = f".*{TEMPORARY_SUFFIX}") -> 
 def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
     """Yields a temporary path to write; on success it is renamed onto `path`, on failure
     removed. `durable` also fsyncs the file and the folder, so the new file survives a power
-    loss (checkpoints); without it the write is atomic but may be lost in a crash of the
-    machine itself."""
+    loss (checkpoints), not only a crash of the process."""
     path = Path(path)
     temporary = temporary_path(path)
     try:

@@ -1,13 +1,9 @@
-"""Whether this process may fork a child that goes on running Python: the loader processes are
-forked from their worker (they get the worker's imports and the dataset's table for free, as
-pytorch/examples' loaders do), unless something here would not survive the fork.
-
-What does not survive it is a thread the child needs and does not get: obstore's client runs
-its requests on a tokio runtime, whose threads a fork does not copy; a child forked after this
-process made a request through obstore hangs on its first request of its own, even through a
-new client (measured with obstore 0.12.1). fsspec and s3fs start their event loop again in a
-forked child, and CUDA is never used by a loader process (batches are pinned and moved by the
-worker), so neither forbids the fork. Imports nothing of app/.
+"""Whether this process may fork a child that goes on running Python: loader processes are forked
+from their worker (they get its imports and the dataset's table for free), unless something
+here would not survive the fork. obstore's client runs its requests on a tokio runtime whose
+threads a fork does not copy: a child forked after this process used obstore hangs on its first
+request, even through a new client (obstore 0.12.1). fsspec and s3fs restart their event loop
+in a forked child, and loader processes never use CUDA. Imports nothing of app/.
 """
 
 from __future__ import annotations

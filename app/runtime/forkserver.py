@@ -1,28 +1,17 @@
-"""Where a run's processes start from: one forkserver per driver, which imports once what the
-workers and the parameter server need (torch, the model library, the training loop), then
-forks each of them: a process starts in milliseconds instead of paying seconds of imports, and
-a restart after a failure starts its group again from the same server.
+"""Where a run's processes start from: one forkserver per driver imports once what the workers
+and the parameter server need (torch, the model library, the loop), then forks each in
+milliseconds, restarts included. Not a fork of the driver: it may hold what a fork must not copy
+(an S3 client's threads, a notebook's CUDA context). Python's forkserver has four traps,
+handled here or in app/parallel/launcher.py `child_entry`:
 
-Why a forkserver and not fork: the driver may hold what a fork must not copy (an S3 client's
-threads, a notebook's CUDA context); the forkserver is a fresh interpreter that imports modules
-and does nothing else, so it never starts CUDA or a client. Python's forkserver has three traps,
-each handled here or where the child starts (app/parallel/launcher.py `child_entry`):
-
-- it imports its preload with the environment and sys.path of the moment it started, and
-  silently skips a module it cannot import: it is started with the caller's sys.path on its
-  PYTHONPATH, and a probe child checks that every module was imported (`check_preloaded`), so
-  a failed preload is an error, not seconds of imports paid by every process;
-- its children inherit its environment and its output, not the caller's current ones: each
-  child is handed `os.environ` as it is when it is started, and the caller's stdout and stderr
-  as they are then (`caller_now`: a notebook's second run, a caller that captures output);
-  sys.path and the working folder travel with every child anyway (multiprocessing's
-  preparation data);
-- its children are its own, not the driver's, and each holds the server's "alive" pipe, which
-  keeps the server running while any child runs: the kernel ends it with the driver all the
-  same (app/runtime/forkserver_init.py, its first import), and each child with it;
-- it is started again, without a word and after seconds of imports, when Python finds it dead
-  as a process is to start (even one killed a moment before): here that is a failure like any
-  process's death (`no_silent_restart`).
+- it imports its preload with the sys.path of its start and silently skips a module it cannot
+  import: it gets the caller's sys.path as PYTHONPATH, and a probe checks (`check_preloaded`);
+- its children inherit its environment and output, not the caller's current ones: each child
+  takes over the caller's as they are when it starts (`caller_now`, `take_over`);
+- its children hold its "alive" pipe, keeping it running: the kernel ends it with the driver
+  all the same (forkserver_init.py), and each child with it;
+- Python silently starts a new one when it finds it dead as a process starts: here that is a
+  failure like any process's death (`no_silent_restart`).
 
 Imports nothing of app/ but runtime's own modules, and no torch: the driver stays light.
 """
@@ -56,8 +45,7 @@ _unchecked = False  # started, and not yet found by a probe to have imported all
 
 class StartFailure(RuntimeError):
     """The run's processes could not be started: the forkserver died (killed while it
-    imported, say), or a process ended before it had read what it runs. One line, like a
-    process's death."""
+    imported, say), or a process ended before it had read what it runs."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +65,10 @@ def module_of(target: Callable) -> str:
 
 
 def start(preload: Iterable[str]) -> None:
-    """Start the server (unless it runs with at least `preload` already), without waiting for
-    its imports: they run while the caller goes on. A server that lacks a module is started
-    again with both sets (a notebook that trains another kind of model next). One that died
-    after it had served (the run it served has failed, or ended) is started anew; one that
-    died before a probe found it ready was killed while this run started: StartFailure (once;
-    the next start starts anew)."""
+    """Start the server (unless it runs with at least `preload`), without waiting for its
+    imports. One that lacks a module is started again with both sets; one that died after it had
+    served is started anew; one that died before a probe found it ready was killed while this run
+    started: StartFailure (once)."""
     global _preloaded, _unchecked
     wanted = frozenset(preload)
     pid = server_pid()
@@ -142,9 +128,8 @@ def is_running() -> bool:
 
 @contextlib.contextmanager
 def no_silent_restart() -> Iterator[None]:
-    """Around starting processes: Python starts a new server, and waits for its imports, when
-    it finds the old one dead as it asks for a child; a server that died is a failure here
-    instead (only `start` starts one), so the caller learns of it at once."""
+    """Around starting processes: a dead server is a StartFailure at once, not a silent
+    restart (only `start` starts one)."""
     def ensure_alive() -> None:
         if not is_running():
             raise StartFailure(f"the forkserver (pid {server_pid() or 'gone'}) that starts "
@@ -174,11 +159,9 @@ def importable_as_here() -> Iterator[None]:
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Around the server's start: it inherits these signals blocked, so a signal sent to every
-    process of a job (Slurm's scancel and preemption, a terminal's Ctrl-C) leaves it alone; it
-    ends with the driver instead (its "alive" pipe). Its children unblock them
-    (`unblock_stop_signals`). Blocked, not ignored: one that reaches the driver meanwhile is
-    delivered once this ends."""
+    """Around the server's start: it inherits these signals blocked, so one sent to every
+    process of a job leaves it alone (it ends with the driver); its children unblock them.
+    Blocked, not ignored: one that reaches the driver meanwhile is delivered once this ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -191,10 +174,9 @@ def unblock_stop_signals() -> None:
 
 
 def check_preloaded(modules: list[str]) -> None:
-    """A child of the server reports which of `modules` it did not find already imported;
-    each such module is imported there once more to tell why it failed. The probe starts once
-    the server has imported everything (it forks nothing before), or fails at once when the
-    server dies meanwhile: its answer to our request never comes, the pipe ends."""
+    """A child of the server reports which of `modules` it did not find imported, each
+    imported there once more to tell why. The probe starts once the server has imported
+    everything (it forks nothing before), or fails at once when the server dies meanwhile."""
     context = multiprocessing.get_context("forkserver")
     reader, writer = context.Pipe(duplex=False)
     probe = context.Process(target=report_missing, args=(modules, writer),
@@ -262,9 +244,8 @@ def is_open(fd: int) -> bool:
 
 
 def take_over(caller: Caller) -> None:
-    """In a child of the server: the environment and output of the caller that started it,
-    not those the server was started with (a restarted worker, a second app.train in a
-    notebook, a caller whose output went elsewhere since)."""
+    """In a child of the server: the environment and output of the caller that started it (a
+    restarted worker, a second app.train in a notebook), not the server's."""
     os.environ.clear()
     os.environ.update(caller.environ)
     for fd, received in caller.outputs:

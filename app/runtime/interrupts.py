@@ -1,19 +1,15 @@
 """Saving and stopping at a step every worker agrees on.
 
-A signal (SIGTERM from a scheduler or a preemption notice, SIGUSR1 before Slurm's time limit
-with `sbatch --signal=USR1@120`, Ctrl-C) or the
---checkpoint-interval timer asks for a checkpoint. Every worker must save at the same step,
-because a checkpoint gathers state from all of them (BatchNorm statistics, RNG states, epoch
-sums). Two ways to agree:
+A signal (SIGTERM from a scheduler, SIGUSR1 before Slurm's time limit, Ctrl-C) or the
+--checkpoint-interval timer asks for a checkpoint, which every worker must save at the same
+step: it gathers state from all of them. Two ways to agree:
 
-- SharedRequests: the driver spawned the workers on this machine. Each worker publishes every
-  finished step in shared memory; the driver, under the same lock, names the step after which
-  everyone saves: one past the furthest worker. Workers are never more than one step apart
-  (each step needs every worker's gradients), so no one has passed that step and everyone
-  reaches it. Costs one uncontended lock per step.
-- AgreedRequests: one process, or torchrun (no driver above the workers). Each process notices
-  its own signals and timer; the workers combine their wishes every step (free for a single
-  process, one tiny gather on the host group under torchrun).
+- SharedRequests (the driver spawned the workers): each worker publishes every finished step in
+  shared memory; the driver, under the same lock, names the step after which everyone saves:
+  one past the furthest worker. Workers are never more than one step apart (each step needs
+  every worker's gradients), so nobody has passed it.
+- AgreedRequests (one process, or a launcher with no driver above the workers): each process
+  notices its own signals and timer, and the workers combine their wishes every step.
 """
 
 from __future__ import annotations
@@ -24,18 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; resume to go on
-# SIGUSR1: what Slurm users ask for before the time limit (`--signal=USR1@SECONDS`); it means
-# the same here as a preemption's SIGTERM: save, then stop with PREEMPTED_EXIT_CODE.
+# SIGUSR1 (Slurm's `--signal=USR1@SECONDS`) means what a preemption's SIGTERM does: save, stop.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# A worker under a launcher may get one request twice within milliseconds: at preemption or
-# scancel slurmstepd signals every process of the step, and the srun or torchrun above the
-# worker forwards the signal it got as well. Only a signal later than this is a second one.
+# One request may reach a process twice within milliseconds (slurmstepd signals every process
+# of the step, and srun or torchrun forwards its own): only a later signal is a second one.
 REPEAT_WINDOW_S = 1.0
 
 
-# When this process received its first stop signal (time.monotonic()), for what must fit in
-# --stop-timeout after it: the checkpoint, then its upload (app/launch/run.py). Signals reach a
-# process, not an object, so the process keeps the one moment; empty until a signal comes.
+# When this process got its first stop signal (time.monotonic()), which --stop-timeout counts
+# from (the checkpoint, then its upload). Signals reach a process, not an object: a global.
 _FIRST_STOP_SIGNAL: list[float] = []
 
 
@@ -51,10 +44,9 @@ def seconds_since_stop_signal() -> float | None:
 
 
 def ignore_stop_signals(*_: object) -> None:
-    """In a data loader process: Slurm signals every process of a job step (preemption,
-    `--signal`, scancel), not only the worker. A loader killed by them would fail the worker's
-    next batch before it has saved; the worker stops its loaders itself when it is done.
-    (Also a DataLoader worker_init_fn: it is called with the loader's index.)"""
+    """In a loader process: Slurm signals every process of a job step, and a loader killed by
+    them would fail the worker's next batch before it has saved; the worker stops its loaders
+    itself. (Also a DataLoader worker_init_fn: it is called with the loader's index.)"""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
@@ -126,9 +118,8 @@ class SharedRequests:
 
 
 class AgreedRequests:
-    """Signal handlers in this process turn the first stop signal (SIGINT, SIGTERM, SIGUSR1)
-    into a stop request; a second one stops at once (KeyboardInterrupt), unless it comes
-    within REPEAT_WINDOW_S of the first: then it is the same request delivered twice."""
+    """This process's first stop signal is a stop request; a second one stops at once
+    (KeyboardInterrupt), unless within REPEAT_WINDOW_S of the first: the same request twice."""
 
     def __init__(self, sync: Any, world_size: int, interval_minutes: float):
         self.sync = sync

@@ -1,19 +1,15 @@
 """Named moments in a process's life, where a test can hold the process to kill it exactly
-there, or read what it has imported by then. Without the variables below, a moment costs one
-dictionary lookup.
+there, or read what it has imported by then; without these variables a moment costs one lookup:
 
 - IMAGENET_DP_PAUSE_AT=NAME[,NAME...] and IMAGENET_DP_PAUSE_DIR=FOLDER: the first process of a
   run to reach NAME writes FOLDER/NAME.PID and stops itself (SIGSTOP); the test then kills it,
-  or lets it go on (SIGCONT). Every other process passes by.
-- IMAGENET_DP_IMPORTS_DIR=FOLDER: at each moment, the process writes the packages outside the
-  standard library it has imported to FOLDER/NAME.PID.imports (tests/test_imports.py keeps them from growing).
+  or lets it go on (SIGCONT).
+- IMAGENET_DP_IMPORTS_DIR=FOLDER: at each moment the process writes the packages outside the
+  standard library it has imported to FOLDER/NAME.PID.imports (tests/test_imports.py).
 
-The moments: driver:launch (the forkserver imports, no worker started yet), driver:started
-(every process was just started), driver:end, server:start, server:registered (every worker
-has registered, no step averaged yet), worker:start, worker:first-batch (its pipelines are
-open, no batch taken), worker:end, loader:start, loader:batch (a loader was asked for a batch),
-checkpoint:saved (a checkpoint and its last.pt are on disk).
-Imports nothing of app/.
+The moments (grep `moment("`): driver:launch, driver:started, driver:end, server:start,
+server:registered, worker:start, worker:first-batch, worker:end, loader:start, loader:batch,
+checkpoint:saved. Imports nothing of app/.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""An MPI launcher's view of this process: `mpirun`/`mpiexec` of Open MPI, MPICH or Intel MPI,
-read from the variables they set for every process they start. No MPI library is loaded:
-the ranks meet through torch.distributed like srun's tasks (app/runtime/slurm.py).
+"""An MPI launcher's view of this process (`mpirun`/`mpiexec` of Open MPI, MPICH or Intel MPI),
+read from the variables it sets for every process it starts (OPEN_MPI, PMI below). No MPI
+library is loaded: the ranks meet through torch.distributed like srun's tasks (slurm.py).
 
-- Open MPI: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; its PMIx namespace
-  (PMIX_NAMESPACE) names the job.
-- MPICH and Intel MPI (Hydra's PMI): PMI_RANK, PMI_SIZE, and on each machine MPI_LOCALRANKID,
-  MPI_LOCALNRANKS (PMI_LOCAL_RANK, PMI_LOCAL_SIZE where the launcher names them so, as
-  Cray's PALS does).
-
-Where the ranks meet: MASTER_ADDR and MASTER_PORT when given (`mpirun -x MASTER_ADDR=host`,
-`mpiexec -genv MASTER_ADDR host`). Without MASTER_ADDR, loopback when every rank runs on this
-machine (as many ranks here as in the job); across machines there is nothing every rank could
-agree on, so the run stops with one line asking for it. Without MASTER_PORT, a port derived
-from the job's name (Open MPI), so that two jobs on one machine do not meet at one port; else
-torchrun's default, 29500. app/runtime/devices.py decides which launcher's variables win.
+Where they meet: MASTER_ADDR and MASTER_PORT when given. Without MASTER_ADDR, loopback when
+every rank runs on this machine; across machines nothing exists that every rank could agree on,
+so the run stops with one line asking for it. Without MASTER_PORT, a port derived from the
+job's name (Open MPI's PMIx namespace), so two jobs on one machine do not meet at one port;
+else torchrun's default, 29500. devices.py decides which launcher's variables win.
 """
 
 from __future__ import annotations
@@ -26,9 +19,10 @@ from app.runtime.errors import UserError
 from app.runtime.slurm import PORT_BASE, PORT_SPAN
 
 DEFAULT_PORT = 29500  # torchrun's
-# (rank, size, local rank, local size): Open MPI's names, then Hydra's PMI ones
-OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-            "OMPI_COMM_WORLD_LOCAL_SIZE")
+# rank, size, (local rank), (local size): Open MPI's names, then Hydra's PMI ones (PMI_LOCAL_*
+# where a launcher names them so, as Cray's PALS does)
+OPEN_MPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE",))
 PMI = ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
 
@@ -54,8 +48,8 @@ def mpi_rank(environ: Mapping[str, str]) -> MpiRank | None:
             if world_size < 2:
                 return None
             return MpiRank(number(environ, rank), world_size,
-                           number(environ, *names(local_rank), default=0),
-                           number(environ, *names(local_size), default=0),
+                           number(environ, *local_rank, default=0),
+                           number(environ, *local_size, default=0),
                            environ.get("PMIX_NAMESPACE", ""), pmi=rank == PMI[0])
     return None
 
@@ -77,10 +71,6 @@ def meeting_point(task: MpiRank, environ: Mapping[str, str]) -> tuple[str, int]:
     if task.job:
         return host, PORT_BASE + zlib.crc32(task.job.encode()) % PORT_SPAN
     return host, DEFAULT_PORT
-
-
-def names(name: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (name,) if isinstance(name, str) else name
 
 
 def number(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:

@@ -1,8 +1,6 @@
 """Every private name of Python and torch that this program uses, each where no public way does
-the job, so that a release that moves one breaks here and in tests/test_private_api.py, which
-checks each name and the shape used (attributes, parameters), rather than somewhere in a run.
-
-Imports nothing of app/, and torch only when a loader is asked for: the driver stays light.
+the job, so that a release that moves one breaks here and in tests/test_private_api.py rather
+than somewhere in a run. Imports nothing of app/, and torch only when a loader is asked for.
 """
 
 from __future__ import annotations
@@ -18,19 +16,17 @@ from typing import Any, Callable, Iterator
 
 
 def forkserver_pid() -> int | None:
-    """The pid of the forkserver this process started (None: none yet). Python keeps it on the
-    module's private ForkServer instance: `multiprocessing.forkserver` exposes ensure_running
-    and set_forkserver_preload only, and the server is no Process that active_children lists."""
+    """The pid of the forkserver this process started (None: none yet), kept on the module's
+    private ForkServer instance: no public function returns it, nor is the server a Process."""
     return forkserver._forkserver._forkserver_pid  # noqa: SLF001
 
 
 @contextlib.contextmanager
 def forkserver_restart_refused(instead: Callable[[], None]) -> Iterator[None]:
-    """Meanwhile, starting a process calls `instead` (which raises where the server died) where
-    Python would call ensure_running, which starts a new server, without a word and after its
-    imports, where it finds the old one dead (even one killed a moment before and still
-    tearing down, so no check beforehand closes the gap). No public switch: each start calls
-    the method of the module's private ForkServer instance, which this shadows."""
+    """Meanwhile, starting a process calls `instead` (which raises where the server died)
+    where Python's ensure_running would silently start a new server on finding the old one
+    dead (even one still tearing down, so no check beforehand closes the gap). No public
+    switch: this shadows the method of the module's private ForkServer instance."""
     server = forkserver._forkserver  # noqa: SLF001
     server.ensure_running = instead
     try:
@@ -41,9 +37,8 @@ def forkserver_restart_refused(instead: Callable[[], None]) -> Iterator[None]:
 
 class PassedFd:
     """An open file descriptor of the process that starts a child, opened in the child as it
-    starts (an int there). multiprocessing sends it along with the child's arguments, through
-    the forkserver's socket, as it does its own pipes and locks: `reduction.DupFd`, which its
-    documentation does not name; no public way hands a child of the server our descriptors."""
+    starts (an int there), sent as multiprocessing sends its own pipes and locks through the
+    forkserver's socket: `reduction.DupFd`, undocumented; no public way does it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -65,17 +60,16 @@ def run_exit_handlers() -> None:
 
 def loader_processes(loader: Any) -> list[BaseProcess]:
     """The processes of a torch DataLoader with persistent workers (none before its first
-    pass). It keeps them on its private iterator; multiprocessing.active_children() lists them
-    too, but reaps and drops one that died already: one killed as it starts would go unnamed."""
+    pass), from its private iterator: active_children() drops one that died already."""
     return list(getattr(getattr(loader, "_iterator", None), "_workers", []))
 
 
 @functools.cache
 def loader_polling_every(seconds: float) -> type:
-    """torch's DataLoader, whose wait for a batch checks every `seconds` (torch: every 5 s) that
-    its processes live. Torch has no public setting for it: the interval is the default of its
-    private iterator's `_try_get_data(timeout)`; the public `timeout` ends the wait with an
-    error instead, and a persistent loader's resumption at each epoch's start is such a wait."""
+    """torch's DataLoader, whose wait for a batch checks every `seconds` (torch: 5 s) that its
+    processes live: the default of its private `_try_get_data(timeout)`. No public setting does
+    it; the public `timeout` ends the wait with an error, even a persistent loader's at an epoch's
+    start."""
     from torch.utils.data import DataLoader  # noqa: PLC0415 (only where a loader is built)
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter  # noqa: PLC0415
 
@@ -101,12 +95,10 @@ _SIGNALS_BY_DESCRIPTION = {signal.strsignal(number): number for number in signal
 
 
 def loader_death_told(error: BaseException) -> tuple[int, int | None] | None:
-    """The pid and the exit code (minus the signal that killed it; None: a signal with no
-    name) of the loader process that torch's `error` names, in its message (also quoted in
-    another error's) or in its cause's (torch's wait raises "exited unexpectedly" from it);
-    None where it names none. Read from torch's text, which is no API: by the time the error is
-    handled, the process may be reaped and its object collected, and torch exposes the pid and
-    the cause nowhere else."""
+    """(pid, exit code) of the loader process that torch's `error`, an error it quotes or its
+    cause names as dead; the code is minus the killing signal, None for a signal with no name.
+    None where it names none. Read from torch's text, which is no API: by then the process may
+    be reaped, and torch exposes the pid and the cause nowhere else."""
     told = None
     while error is not None and told is None:
         told = _TORCH_SAYS_DIED.search(str(error))

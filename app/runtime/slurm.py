@@ -1,11 +1,10 @@
 """Slurm's view of this process, read from the variables srun sets for each task it starts.
 
 `srun --ntasks-per-node 8 --gpus-per-task 1 python bin/driver.py ...` starts every worker
-itself (no torchrun): SLURM_PROCID is the rank, the step's task count the world size,
-SLURM_LOCALID the worker's index on its node. Task 0 serves the process group's store on the
-first host of the step's node list, at a port derived from the job id, so every task finds it
-without any exchange and without calling scontrol. app/runtime/devices.py decides which source wins
-(torchrun's variables always do); this module only reads Slurm's.
+itself (no torchrun): SLURM_PROCID is the rank, the step's task count the world size. Task 0
+serves the process group's store on the first host of the step's node list, at a port derived
+from the job id, so every task finds it without any exchange or scontrol. devices.py decides
+which source wins.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from typing import Mapping
 
 from app.runtime.errors import UserError
 
-# Unprivileged and below Linux's ephemeral range (32768-60999), so it does not collide with
-# the ports the kernel hands out; two jobs on one node collide only when their ids are
-# 20000 apart, and MASTER_PORT overrides it.
+# Unprivileged and below Linux's ephemeral range (32768-60999); two jobs on one node collide
+# only when their ids are 20000 apart, and MASTER_PORT overrides it.
 PORT_BASE, PORT_SPAN = 10000, 20000
 # The node lists, most specific first: srun sets the step's (task 0 runs on its first node);
 # SLURM_JOB_NODELIST is the allocation's, SLURM_NODELIST its older name.
@@ -40,8 +38,7 @@ class SlurmTask:
 
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's compressed host list -> host names, in order: `gpu[001-003,010],cpu7` ->
-    gpu001, gpu002, gpu003, gpu010, cpu7. Zero padding is kept (the width of the range's
-    first number); several bracket groups in one name expand as a product, the last group
+    gpu001, gpu002, gpu003, gpu010, cpu7; several bracket groups expand as a product, the last
     fastest (`r[1-2]n[1-2]` -> r1n1, r1n2, r2n1, r2n2)."""
     hosts = []
     for name in split_outside_brackets(text.strip()):
@@ -101,7 +98,7 @@ def expand_counts(text: str) -> list[int]:
 
 
 def job_port(job_id: str) -> int:
-    """The rendezvous port every task of job `job_id` derives alike: 10000 + id % 20000."""
+    """The rendezvous port every task of job `job_id` derives alike."""
     return PORT_BASE + whole_number("SLURM_JOB_ID", job_id) % PORT_SPAN
 
 
@@ -163,9 +160,8 @@ def is_this_machine(host: str) -> bool:
 
 
 def run_name(environ: Mapping[str, str]) -> str:
-    """The run name every task of a job agrees on, and that a requeued job (same id) finds
-    again: slurm-<job id>, or slurm-<array job id>_<task id> for an array job (as squeue
-    shows it). "" outside a Slurm job."""
+    """The run name every task of a job agrees on, and a requeued job (same id) finds again:
+    slurm-<job id>, or slurm-<array job id>_<task id> (as squeue shows it); "" outside Slurm."""
     array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
     if array_job and array_task:
         return f"slurm-{array_job}_{array_task}"

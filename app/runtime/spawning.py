@@ -1,10 +1,8 @@
-"""Spawned processes from a script read from standard input.
-
-A spawned child first runs the parent's `__main__` from its `__file__`. A script read from
-standard input (`python - < train.py`) has the file '<stdin>', which the child cannot open, so
-it would die before its first line. Without the attribute the child skips `__main__`, as it
-does under a prompt or in a notebook; what it runs comes from importable modules (the Python
-API refuses objects defined in `__main__` then: app/launch/api_inputs.py).
+"""Spawned processes from a script read from standard input (`python - < train.py`): a spawned
+child first runs the parent's `__main__` from its `__file__`, here '<stdin>', which it cannot
+open, so it would die before its first line. Without the attribute it skips `__main__`, as
+under a prompt or in a notebook (the Python API then refuses objects defined in `__main__`:
+app/launch/api_inputs.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Gradient accumulation: how an epoch's pipeline batches group into optimizer steps.
 
-Each micro-batch is one pipeline batch of --batch-size images per worker, so the data order,
-the augmentation and every image's seed stay those of the pipeline, and K micro-batches on N
-workers see exactly the images of one step of one worker with batch K x N x b. An optimizer
-step takes `micro_batches` (K) consecutive pipeline batches; the epoch's last step takes what
-is left (fewer when K does not divide the epoch's batches).
-
-The run's position (Position.step, .epoch_step), the LR schedule, the print interval and
-save/stop requests all count optimizer steps; checkpoints are taken only between them, so a
-resumed epoch restarts its pipeline at batch epoch_step x K. A checkpoint written with another
-K or number of workers but the same global batch continues at the same optimizer step
-(app/training/batch_layout.py).
+Each micro-batch is one pipeline batch, so data order, augmentation and seeds stay the
+pipeline's, and K micro-batches on N workers see exactly the images of one step of one worker
+with batch K x N x b. The run's position, schedule, logging and save/stop requests count
+optimizer steps, and checkpoints are taken only between them, so a resumed epoch restarts its
+pipeline at batch epoch_step x K.
 """
 
 from __future__ import annotations

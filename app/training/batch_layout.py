@@ -2,26 +2,21 @@
 checkpoint on another number of workers.
 
 An optimizer step takes one global batch of G images from the epoch's global order, a function
-of (seed, epoch) only (app/data/sampler.py): `world_size` workers x `per_worker` images (-b) x
-`accumulation` micro-batches (--accum-steps). Step s of an epoch takes the images at offsets
-[s x G, (s + 1) x G) of that order, however they are spread. So a checkpoint's place in its
-epoch is an image offset, epoch_step x G, and with G kept a run on any number of workers
-continues there: at the same optimizer step (the LR schedule's steps keep their meaning) and
-at pipeline batch offset / (world_size x per_worker) of its own layout.
+of (seed, epoch) only (app/data/sampler.py): `world_size` x `per_worker` (-b) x `accumulation`
+(--accum-steps). Step s takes the images at offsets [s x G, (s + 1) x G), however they are
+spread, so with G kept a run on any number of workers continues a checkpoint at the same
+optimizer step and at pipeline batch offset / (world_size x per_worker) of its own layout.
 
-The rule (`resumed_layout`), for a checkpoint written by N workers with global batch G and a
-run given -b b and --accum-steps k, resumed on M workers:
+The rule (`resumed_layout`), for a checkpoint with global batch G and a run given -b b and
+--accum-steps k, resumed on M workers:
 
-1. M x b x k == G: the flags as given (the same layout, or the same global batch split anew).
-2. Otherwise, if the flags are those the checkpoint's run was given (only the world size
-   changed) and --keep-global-batch is on (the default): G is kept. Each worker takes
-   P = G / M images per step in the fewest micro-batches of at most b images (b is what fitted
-   on one device): k' = the smallest divisor of P with P / k' <= b, b' = P / k'. Refused when
-   M does not divide G, naming the nearest world sizes that do.
-3. Otherwise the global batch changes (other -b/--accum-steps, or --no-keep-global-batch):
-   only from a checkpoint at an epoch's end, never mid-epoch (the epoch's remaining images
-   would not fall into the steps it began with). The LR scales to the new global batch and the
-   schedule goes on from the same epoch (app/training/optim.py restore_scheduler).
+1. M x b x k == G: the flags as given.
+2. Else, with the checkpoint run's own flags (only the world size changed) and
+   --keep-global-batch (the default): G is kept, each worker taking G / M images per step in
+   the fewest micro-batches of at most b images; refused when M does not divide G.
+3. Else the global batch changes, only from a checkpoint at an epoch's end (the epoch's
+   remaining images would not fall into the steps it began with); the LR scales with it and
+   the schedule goes on from the same epoch (optim.py restore_scheduler).
 """
 
 from __future__ import annotations
@@ -126,9 +121,8 @@ def resumed_layout(saved: Saved, requested: tuple[int, int], world_size: int,
 
 
 def not_a_divisor(saved: Saved, given: BatchLayout) -> str:
-    """The refusal when the run's own flags cannot keep the global batch on this many
-    workers. The way out that changes the global batch is offered only where it is allowed:
-    from a checkpoint at an epoch's end."""
+    """The refusal when the run's own flags cannot keep the global batch on this many workers;
+    changing the global batch is offered only from a checkpoint at an epoch's end."""
     size, world_size = saved.layout.global_batch, given.world_size
     line = (f"cannot keep the checkpoint's global batch of {size} images on "
             f"{workers(world_size)} ({size} is not a multiple of {world_size}): resume on "
@@ -196,8 +190,7 @@ def nearest_divisors(total: int, near: int) -> list[int]:
 def resumed_job(job: TrainJob, world_size: int, report: Callable[[str], None] = log.info
                 ) -> TrainJob:
     """The job as it continues its checkpoint on `world_size` workers: the config's -b and
-    --accum-steps set by the rule, the user's kept beside them. Unchanged for a fresh run
-    and for an evaluation (-e), which trains no step."""
+    --accum-steps set by the rule, the user's kept beside them (unchanged for a fresh run or -e)."""
     if not job.resume_from or job.config.run.evaluate:
         return job
     from app.training import checkpoint  # noqa: PLC0415 (imports torch: only when resuming)

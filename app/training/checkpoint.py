@@ -1,8 +1,5 @@
-"""Checkpoints: CPU tensors, plain model keys, atomic writes, weights_only loading.
-
-A checkpoint holds everything needed to continue exactly: model (keys of the bare timm model,
-no `module.`/`_orig_mod.` prefixes), optimizer, LR scheduler, grad scaler, progress counters,
-the resolved config and the RNG states.
+"""Checkpoints: CPU tensors, plain model keys (no `module.`/`_orig_mod.` prefixes), atomic
+writes, weights_only loading; everything needed to continue exactly, RNG states included.
 """
 
 from __future__ import annotations
@@ -107,9 +104,8 @@ def _point(name: Path, target: Path) -> None:
 
 class CheckpointFolder:
     """runs/<run>/checkpoints: step-<N>.pt for the last `keep` saves, last.pt and best.pt as
-    further names of one of them. Every file is complete at all times: a process killed while
-    saving leaves the previous last.pt in place. `announce(step file, its pointers)` hears of
-    each save once it is on disk (a run folder in a bucket: the upload process)."""
+    further names of one of them, every file complete at all times. `announce(step file, its
+    pointers)` hears of each save once it is on disk (the upload process of a bucket's run)."""
 
     def __init__(self, folder: str | Path, keep: int,
                  announce: Callable[[Path, Iterable[Path]], None] | None = None):

@@ -1,17 +1,10 @@
 """An exponential moving average of the weights, with torchvision's semantics
-(references/classification: --model-ema, --model-ema-steps, --model-ema-decay).
-
-- Updated after every N-th optimizer step of an epoch (its step index 0, N, 2N, ...), from the
-  weights that step produced; buffers (BatchNorm statistics) are averaged too.
-- The decay is adjusted as torchvision's train.py does: alpha = 1 - decay is multiplied by
-  global batch x N / epochs (capped at 1), so one config keeps its meaning across batch sizes.
-- During the LR warmup each update copies the weights instead (torchvision resets the
-  average's count there), so the average starts from the warmed-up model.
-
-It stays on the model's device and never waits for it: the update count torchvision keeps
-in a device tensor (and reads back every update) is a host integer here, and an update is
-two foreach kernels over all tensors. The average lives in a second model of the same kind,
-so it is evaluated, saved and exported like the model itself.
+(references/classification: --model-ema, --model-ema-steps, --model-ema-decay): updated after
+every N-th optimizer step of an epoch, buffers included, the decay adjusted as torchvision does;
+during the LR warmup each update copies the weights, so the average starts from the warmed-up
+model. It never waits for the device (torchvision's update count, a device tensor read back
+every update, is a host integer here), and the average is a second model of the same kind,
+evaluated, saved and exported like the model itself.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ class ModelEma:
         self.copied, self.copied_sources = self._pairs(floating=False)
 
     def _pairs(self, floating: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(average's tensors, model's tensors) for the floating-point ones (averaged) or the
-        others (copied: BatchNorm's num_batches_tracked)."""
+        """(average's, model's) tensors: floating-point (averaged) or not (copied: counters)."""
         mine, theirs = [], []
         for average, source in zip(_tensors(self.module), _tensors(self.source)):
             if average.is_floating_point() == floating:

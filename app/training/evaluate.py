@@ -36,9 +36,8 @@ def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precis
              sync: GradientSync, on_skipped: Callable[[list[Skipped]], None] | None = None,
              flip_tta: bool = False) -> dict:
     """Metrics over the whole val set; this worker's unreadable images go to `on_skipped`.
-    `flip_tta`: rate the mean logits of each image and its mirror (mirror_averaged_logits).
-    Sums stay on the device until the one reduction at the end; image counts are known on
-    the host."""
+    `flip_tta`: rate each image by its mean logits with its mirror. Sums stay on the device until
+    the one reduction at the end; image counts are known on the host."""
     model.eval()
     device = precision.device
     correct = torch.zeros(2, dtype=torch.float64, device=device)  # top-1, top-5

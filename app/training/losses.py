@@ -1,14 +1,11 @@
 """The training loss: cross-entropy, or timm's BinaryCrossEntropy (its ResNet Strikes Back
 A1-A3 recipes), each taking class indices or the probability rows mixup/cutmix make.
 
-Label smoothing is applied as each reference applies it. Cross-entropy smooths whatever
-targets it is given (torchvision). timm's train.py smooths BCE's targets in one of two places:
-without mixup, BinaryCrossEntropy(smoothing) smooths the one-hot rows it builds from indices;
-with mixup, timm's Mixup mixes smoothed rows and the loss takes them as they are. Our batch
-augmentation mixes plain one-hot rows, so the mixed rows are smoothed here, before the loss:
-the mix of smoothed rows is the smoothed mix (the map is linear), so the targets are timm's.
-Unlike timm's train.py, --bce-loss without smoothing or mixup is still BCE (timm falls back
-to cross-entropy there).
+Label smoothing as each reference applies it: cross-entropy smooths whatever targets it gets
+(torchvision); timm's BCE smooths the one-hot rows it builds from indices, and with mixup timm
+mixes smoothed rows. Our batch augmentation mixes plain one-hot rows, so mixed rows are smoothed
+here (linear, so the targets are timm's). Unlike timm's train.py, --bce-loss without smoothing
+or mixup stays BCE.
 """
 
 from __future__ import annotations

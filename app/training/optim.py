@@ -16,11 +16,10 @@ NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.Loc
 
 def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float = 0.0,
                  bias_weight_decay: float = 0.0) -> list[dict]:
-    """Weights get `weight_decay`, normalisation layers' parameters `norm_weight_decay` and
-    other biases `bias_weight_decay` (torchvision's split; both default to no decay). LARS and
-    LAMB adapt only groups with decay (timm's rule), so norms and biases are excluded from both
-    unless asked for. Norms and biases share one group when their decay is the same: the
-    two-group layout of earlier checkpoints, which an optimizer's state is loaded into."""
+    """Weights get `weight_decay`, normalisation layers' parameters `norm_weight_decay`, other
+    biases `bias_weight_decay` (torchvision's split). LARS and LAMB adapt only groups with decay
+    (timm's rule). Norms and biases share one group when their decay is the same: the two-group
+    layout of earlier checkpoints, which an optimizer's state is loaded into."""
     groups: dict[str, list] = {"decay": [], "norm": [], "bias": []}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -45,10 +44,8 @@ def scaled_lr(config: OptimConfig, global_batch: int) -> float:
 
 def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
                     fused: bool = False) -> torch.optim.Optimizer:
-    """`fused` (SGD, AdamW; Precision.fused_step says when): one kernel per step, which also
-    takes fp16 loss scaling's inf check as a tensor, so GradScaler.step skips a step on the
-    device instead of asking the host (a sync per step with the default implementation).
-    Otherwise torch's default: foreach on CUDA, a loop over the parameters on a CPU."""
+    """`fused` (SGD, AdamW): one kernel per step (Precision.fused_step says when and why);
+    otherwise torch's default: foreach on CUDA, a loop over the parameters on a CPU."""
     groups = param_groups(model, config.weight_decay, config.norm_weight_decay,
                           config.bias_weight_decay)
     lr = scaled_lr(config, global_batch)
@@ -62,7 +59,6 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
                            fused=fused_or_default)
 
 
-
 def timm_optimizer(config: OptimConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
     """timm's LARS (the MLPerf reference's trust coefficient and eps) or LAMB (with its global
     gradient-norm clip at 1.0); timm is imported only for them."""
@@ -71,6 +67,7 @@ def timm_optimizer(config: OptimConfig, groups: list[dict], lr: float) -> torch.
         return timm.optim.Lars(groups, lr=lr, momentum=config.momentum,
                                nesterov=config.nesterov, trust_coeff=0.001, eps=0.0)
     return timm.optim.Lamb(groups, lr=lr, betas=(config.momentum, 0.999))
+
 
 def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
                    scaler: torch.amp.GradScaler | None = None) -> None:
@@ -86,10 +83,9 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float,
 
 
 class WarmupSchedule:
-    """LR factor per optimizer step: a warmup (torchvision's linear or constant, from
-    --lr-warmup-decay), then cosine or polynomial decay down to `floor` (--lr-min as a share
-    of the LR) or step decay; or FFCV's schedule, whose ramp to its peak epoch is its warmup.
-    Built from the config on every start; checkpoints hold only the position in it."""
+    """LR factor per optimizer step: a warmup (torchvision's linear or constant), then cosine
+    or polynomial decay down to `floor` (--lr-min as a share of the LR) or step decay; or FFCV's
+    schedule. Built from the config on every start; checkpoints hold only the position in it."""
 
     def __init__(self, config: OptimConfig, steps_per_epoch: int, epochs: int,
                  floor: float = 0.0):
@@ -111,7 +107,7 @@ class WarmupSchedule:
         if step < self.warmup_steps:
             if self.warmup_method == "constant":
                 return self.warmup_decay
-            if not self.warmup_decay:  # as before: the first step already takes 1/W of the LR
+            if not self.warmup_decay:  # the first step already takes 1/W of the LR
                 return (step + 1) / self.warmup_steps
             # torchvision's LinearLR(start_factor=decay), per step
             return self.warmup_decay + (1 - self.warmup_decay) * step / self.warmup_steps
@@ -141,11 +137,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, steps
 
 
 def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
-    """Continue at the saved step, on the schedule of the current config: a run resumed with
-    more --epochs stretches its cosine instead of staying at the old end (zero). A schedule
-    saved with other steps per epoch (a new global batch, from an epoch's end) goes on from
-    the same epoch, its step count mapped to this run's steps. A scheduler that is not a
-    function of the step (a caller's own, from the Python API) loads its state."""
+    """Continue at the saved step, on the schedule of the current config (more --epochs
+    stretch the cosine); one saved with other steps per epoch (a new global batch) goes on from the
+    same epoch. A scheduler that is not a function of the step (a caller's own) loads its state."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.load_state_dict(state)
         return

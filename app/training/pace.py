@@ -1,12 +1,7 @@
 """The loop's clock, in host time only (nothing here waits for the device): how long each print
-interval and each epoch took, the share of it the loop spent waiting for its next batch, and
-the time the run has left.
-
-Waiting for the next batch is the time `next()` on the epoch's batches takes: the loader
-processes were behind (Pillow, DALI's readers), or the training process decoded the batch
-itself (nvJPEG's call). pytorch/examples prints it as "Data" seconds, timm logs it as data time;
-here it is a share of the interval, so 0.3 reads "30% of the time went to waiting", whatever
-the batch size. A share that stays high means the GPU idles for want of images.
+interval and epoch took, the share of it spent waiting for the next batch (the time `next()`
+on the epoch's batches takes: pytorch/examples' "Data" seconds, as a share, whatever the batch
+size; one that stays high means the GPU idles for want of images), and the time left.
 """
 
 from __future__ import annotations

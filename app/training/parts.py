@@ -1,9 +1,6 @@
-"""What a run trains and how: the model, its optimizer, the LR schedule and the loss.
-
-The Trainer asks its `Parts` for each of them once per replica. The driver's parts are built
-from the config (the model factory by name, the optimizer and schedule the recipe names, the
-configured loss); the Python API hands in the caller's own objects instead
-(app/training/user_parts.py). Either way the loop is the same one.
+"""What a run trains and how: the model, its optimizer, the LR schedule and the loss, which the
+Trainer asks its `Parts` for once per replica: from the config (ConfigParts) or from the Python
+API's caller (user_parts.py). Either way the loop is the same one.
 """
 
 from __future__ import annotations

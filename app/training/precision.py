@@ -38,11 +38,9 @@ class Precision:
 
     @property
     def fused_step(self) -> bool:
-        """Whether SGD and AdamW step as one fused kernel: on CUDA (one kernel over all
-        parameters where foreach launches a few per group; `bin/bench.py model
-        --optimizer-steps foreach,fused` measures both), and under fp16 loss scaling anywhere,
-        where the fused step takes the overflow check as a tensor and skips on the device
-        instead of asking the host."""
+        """Whether SGD and AdamW step as one fused kernel: on CUDA, and under fp16 loss scaling
+        anywhere, where the fused step takes the overflow check as a tensor and skips on the device
+        instead of asking the host (`bin/bench.py model --optimizer-steps foreach,fused`)."""
         return self.device.type == "cuda" or self.autocast_dtype is torch.float16
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:

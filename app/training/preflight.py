@@ -1,8 +1,6 @@
 """Checks before training starts, so a run does not fail hours in: the tables' files exist and
-the run folder has room for the checkpoints it will keep.
-
-Already checked elsewhere, earlier: the catalog and the dataset root (app/catalog/catalog.py), the
-tables (app/catalog/tables.py) and the GPUs (app/runtime/devices.py).
+the run folder has room for the checkpoints it will keep (the catalog, the tables and the GPUs
+are checked earlier, where they are read).
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ def check(job: TrainJob, saves: bool) -> None:
 
 def check_room_for_checkpoints(job: TrainJob, model: nn.Module) -> None:
     """Room for keep+2 checkpoints: a save writes the new file before the oldest goes, and
-    best.pt may keep one more alive. Checked by the saving worker once it has built the model
-    (the driver does not import timm: that alone takes seconds)."""
+    best.pt may keep one more alive. Checked by the saving worker, which has built the model."""
     folder = Path(job.run_dir)
     free = shutil.disk_usage(folder).free
     keep = job.config.run.keep_checkpoints
@@ -66,9 +63,9 @@ def checkpoint_bytes(model: nn.Module, optimizer: str, ema: bool = False) -> int
 
 
 def check_listed_files(job: TrainJob) -> None:
-    """Every listed image exists (local datasets: one listing per folder) or a random sample of
-    them does (object stores: one request per file). Missing files within --max-bad-fraction
-    are skipped and listed like bad images; more stop the run here. Shards: check_shards."""
+    """Every listed image exists (local: one listing per folder), or a random sample does
+    (object stores: a request each). Missing files within --max-bad-fraction are skipped and
+    listed like bad images; more stop the run here."""
     listed = pd.concat([listed_files(job.tables.train), listed_files(job.tables.val)],
                        ignore_index=True)
     root = job.root
@@ -96,9 +93,8 @@ def check_listed_files(job: TrainJob) -> None:
 
 
 def check_shards(root: DatasetRoot, shards: pd.Series) -> None:
-    """Every shard is there, all of them checked (one listing per folder, local or remote): a
-    missing one cannot be skipped, it would shift every later sample of the epoch's order, so
-    it ends the run here instead of when its window comes. Then the cache's room."""
+    """Every shard is there, all of them checked (one listing per folder): a missing one
+    cannot be skipped (every later sample of the epoch's order would shift). Then the cache."""
     sizes = _shard_sizes(root, shards)
     missing = [shard for shard in shards if shard not in sizes]
     if missing:
@@ -112,8 +108,7 @@ def check_shards(root: DatasetRoot, shards: pd.Series) -> None:
 
 def check_shard_cache(root: DatasetRoot, sizes: list[int]) -> None:
     """The shard cache never evicts the previous, current and next windows: where those alone
-    pass its bound, it grows past the bound (a disk filling up hours in is worse than a line
-    now)."""
+    pass its bound, it grows past it (better a line now than a full disk hours in)."""
     store = ShardStore(root)
     window = root.options.get("window", DEFAULT_WINDOW)
     if store.in_place or not sizes:  # local tars are read where they are

@@ -1,20 +1,15 @@
 """A worker's state <-> a checkpoint, collective parts included.
 
-Trainer.state_dict() is what one worker holds; saving is collective because a checkpoint
-gathers from every worker what differs between them: each replica's BatchNorm running
-statistics and RNG states ("replica", kept per worker) and the epoch's running sums (summed).
-The primary writes, with the batch layout that wrote it (app/training/batch_layout.py). Loading
-hands each worker its own replica entry back, and the summed epoch sums to the primary only, so
-they are counted once. Data order and augmentation need no saved state beyond (epoch,
-epoch_step): they are functions of (seed, epoch, image) (app/data/sampler.py), so the loader
-processes hold nothing that matters. The EMA's weights are identical on every replica (saved
-once); its BatchNorm statistics are replica state like the model's.
+Saving is collective: a checkpoint gathers from every worker what differs between them, each
+replica's BatchNorm statistics and RNG states ("replica", kept per worker) and the epoch's
+running sums (summed). Loading hands each worker its own replica entry, and the summed sums to
+the primary only, so they count once. Data order and augmentation need nothing beyond (epoch,
+epoch_step): they are functions of (seed, epoch, image). The EMA's weights are identical on
+every replica (saved once); its BatchNorm statistics are replica state like the model's.
 
-Resumed on another number of workers, a checkpoint is read in the run's own layout: its place
-in the epoch in this run's optimizer steps, the LR scaled if the global batch changed (at an
-epoch's end only), and each replica's state rebuilt the same way on every worker: the BatchNorm
-statistics are the mean of the saved replicas' (what the next epoch's end would average), the
-RNG states replica 0's (every replica's generators start from the same seed and draw alike).
+On another number of workers the checkpoint is read in the run's own layout (batch_layout.py),
+with one replica state for all: the mean of the saved BatchNorm statistics (what the next
+epoch's end would average) and replica 0's RNG states (every replica's generators draw alike).
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: b
 
 def load(job: TrainJob, env: WorkerEnv) -> dict:
     """This worker's state from the job's checkpoint, in this run's batch layout: its own
-    replica entry when the checkpoint was written by as many workers, else one rebuilt alike on
-    every worker."""
+    replica entry if as many workers wrote it, else one rebuilt alike on every worker."""
     state = checkpoint.load(job.resume_from)
     saved = Saved.of(state)
     replicas = [_from_bytes(entry) for entry in state.pop("replicas", None) or []]
@@ -84,9 +78,8 @@ def mean_buffers(saved: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
 
 
 def continue_in(state: dict, saved: Saved, layout: BatchLayout) -> None:
-    """The checkpoint's place in its epoch in `layout`'s optimizer steps (the same image
-    offset), and its LR scaled to `layout`'s global batch. The driver's rule has refused what
-    cannot continue (batch_layout.resumed_layout); this guards every other way in."""
+    """The checkpoint's place in its epoch in `layout`'s optimizer steps, and its LR scaled to
+    `layout`'s global batch; guards every way in besides the driver's rule (resumed_layout)."""
     offset, size = saved.image_offset, layout.global_batch
     if offset % size:
         raise UserError(f"the checkpoint is {offset} images into epoch {saved.epoch + 1} "
@@ -145,9 +138,8 @@ def _from_bytes(data: bytes) -> dict:
 
 def trained_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The model's weights in a checkpoint, with its floating-point buffers (BatchNorm
-    statistics) averaged over the replicas that wrote it: what every replica agrees on. A
-    checkpoint of an epoch's end has them averaged already; one of a stop mid-epoch holds each
-    replica's own."""
+    statistics) averaged over the replicas that wrote it (they differ in one of a stop mid-epoch):
+    what every replica agrees on."""
     state = checkpoint.load(path)
     weights = dict(state["model"])
     replicas = [_from_bytes(data)["buffers"] for data in state.get("replicas") or []]

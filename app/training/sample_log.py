@@ -1,25 +1,19 @@
 """--log-samples: which images each worker trained on, batch by batch, in the run folder.
 
-Off by default. When on, every worker appends to samples/rank-<r>.jsonl one line per train
-batch (micro-batch) as it hands the batch to the loop:
+Every worker appends to samples/rank-<r>.jsonl one line per train (micro-)batch as it hands the
+batch to the loop:
 
     {"time": ..., "start": 2, "epoch": 1, "offset": 96, "rank": 1, "world_size": 2,
      "samples": [17, 3, ...]}
 
-`samples` are the rows of the train table the batch was made of, `offset` the position of its
-global batch (all workers' images of that pipeline step) in the epoch's global order: a number
-that means the same whatever the number of workers. `start` numbers the run's starts, fresh or
-resumed (1, 2, ...); each first writes {"event": "start", "start": n, "epoch": e, "offset": o}.
-A run that went on from a checkpoint repeats what an earlier attempt trained after it (a
-killed run restarted), and only the later start's batches count (`trained_samples`).
+`samples` are train table rows, `offset` the place of the batch's global batch in the epoch's
+global order (the same whatever the number of workers), `start` numbers the run's starts; each
+start first writes {"event": "start", "start": n, "epoch": e, "offset": o}.
 
-The workers of a start agree on its number without talking: each counts the lines of
-samples/starts.jsonl when it builds its pipelines, before its first exchange with the others
-(the Trainer connects its model to them afterwards: a barrier in every sync mode), and the
-primary appends this start's line there only when the training starts, after that exchange.
-A counter rather than clocks: under torchrun the workers' clocks may differ by more than a
-step. Lines are flushed as written, so a killed worker's record ends where it stopped. Cost:
-one short line per batch and worker.
+The workers of a start agree on its number without talking (clocks may differ by more than a
+step): each counts the lines of samples/starts.jsonl when it builds its pipelines, before its
+first exchange with the others (connecting the model is a barrier in every sync mode), and the
+primary appends this start's line only when training starts, after that exchange.
 """
 
 from __future__ import annotations
@@ -98,10 +92,9 @@ def records(run_dir: str | Path) -> list[dict]:
 
 
 def trained_samples(run_dir: str | Path) -> dict[int, list[int]]:
-    """Epoch (from 1) -> the train rows its batches were made of, over every worker and every
-    start of the run. A batch of a start that a later start went on from an earlier place of
-    (same epoch and a lower or equal offset, or an earlier epoch) does not count: the later
-    start trained that place again."""
+    """Epoch (from 1) -> the train rows its batches were made of, over every worker and start.
+    A batch that a later start went on from an earlier place of (same epoch and a lower or equal
+    offset, or an earlier epoch) does not count: the later start trained that place again."""
     lines = records(run_dir)
     starts = [r for r in lines if r.get("event") == "start"]
     samples: dict[int, list[int]] = defaultdict(list)

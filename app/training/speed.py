@@ -1,20 +1,13 @@
 """The speed switches users expect: torch.compile, cuDNN autotuning, TF32.
 
-torch.compile specialises its graph on the batch size. A short batch (the last of an epoch,
-or one with skipped images) would compile a second graph, and the automatic dynamic-shape
-graph that follows can replace the fast static one for every later step. Padding is no way
-out either: padded images would enter the BatchNorm statistics. So full batches run the
-compiled graph and any other size runs the same module eagerly: one compilation per mode
-(train, eval) and image size for the whole run, and the odd step costs eager speed only.
-Progressive resizing adds one graph per train size (`compiled_graphs` counts them), never one
-per step: shapes stay static, each new size compiles once and is reused from then on.
-
-What is compiled are regions, not the whole model: each block of a ResNet's stages. A compiled
-backward is one autograd node, so with the whole model compiled every parameter's gradient
-appeared at the very end of backward, and the parameter server's buckets (hooks on each
-parameter) could only leave then. With one node per block, a bucket leaves as soon as the blocks
-holding its parameters are done, while backward goes on with the earlier blocks, as in eager
-mode. Blocks of a stage share their code, so compiling them costs a few graphs, not a model's.
+torch.compile specialises its graph on the batch size: a short batch (an epoch's last, or one
+with skipped images) would compile a second graph, and the dynamic-shape graph that follows can
+replace the fast static one for every later step; padding would put padded images into the
+BatchNorm statistics. So full batches run the compiled graph and other sizes the same module
+eagerly. Regions are compiled, not the whole model: a compiled backward is one autograd node,
+so with the whole model compiled every gradient appears at the end of backward, and the
+parameter server's buckets could only leave then; with one node per block of a ResNet's stages
+a bucket leaves once its blocks are done. Blocks of a stage share their code: a few graphs.
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ log = logging.getLogger("imagenet_dp")
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
-    """`auto` compiles on CUDA only: on a CPU the compile time (~45 s for a small ResNet on 2
-    cores, measured) outweighs the gain of a short run."""
+    """`auto` compiles on CUDA only: on a CPU the compile time outweighs the gain of a short
+    run (measured: docs/benchmarks.md)."""
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
@@ -46,10 +39,9 @@ def configure_backends(device: torch.device, cudnn_benchmark: bool, tf32: bool) 
 
 
 class CompiledForFullBatches(nn.Module):
-    """Wraps the module to train (bare, or as the GradientSync prepared it): full batches go
-    through the compiled regions, others run the same module eagerly. `.module` is the wrapped
-    module, so checkpoint.unwrap and every .parameters()/.buffers()/.train() see through it;
-    regions are compiled in place (nn.Module.compile), so state_dict keys stay plain."""
+    """Full batches go through the compiled regions, others through the same module eagerly.
+    `.module` is the wrapped module, so checkpoint.unwrap, .parameters(), .train() etc. see through
+    it; regions are compiled in place (nn.Module.compile), so state_dict keys stay plain."""
 
     def __init__(self, module: nn.Module, batch_size: int, backend: str, image_sizes: int = 2):
         super().__init__()
@@ -67,13 +59,9 @@ class CompiledForFullBatches(nn.Module):
 
 def compile_regions(module: nn.Module, backend: str, image_sizes: int = 2) -> nn.Module:
     """Compile every block of the model's stages in place and return `module`, for inputs of
-    `image_sizes` sizes (train sizes, plus the val size: eval is a graph of its own); a model
-    without stages is compiled whole (one region: its buckets leave after backward, and under
-    DDP dynamo's DDPOptimizer splits the graph at DDP's buckets instead).
-
-    The stem and the head stay eager: a ResNet's stem is one conv+bn+relu+maxpool and its head a
-    pool+linear, run once per step (~3% of ResNet-50's FLOPs at 224 px), and the stem's first
-    conv makes the last gradient of backward, after which there is nothing left to overlap."""
+    `image_sizes` sizes (train sizes, plus val: eval is a graph of its own); a model without stages
+    is compiled whole (under DDP, dynamo's DDPOptimizer splits it at DDP's buckets). The stem and
+    head stay eager: few FLOPs, and the stem's first conv makes backward's last gradient."""
     blocks = stage_blocks(checkpoint.unwrap(module))
     if not blocks:
         allow_graphs_per_code(image_sizes)
@@ -95,12 +83,9 @@ def stage_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def allow_graphs_per_code(graphs: int) -> None:
-    """The blocks of a ResNet share one `forward` code object, and dynamo keeps at most
-    `recompile_limit` (8) graphs per code object, then runs the rest eagerly with a warning.
-    Blocks differ in shapes and in having a downsample, and train and eval are two graphs each:
-    resnet18 needs 14 and resnet50 16, and each further image size as many again. At most one
-    graph per region, mode and size is the bound (short batches never compile), so the limit
-    is raised to it."""
+    """A ResNet's blocks share one `forward` code object, and dynamo keeps at most
+    `recompile_limit` (8) graphs per code object, then runs eagerly with a warning. The limit is
+    raised to one graph per region, mode and size (short batches never compile)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, graphs)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, graphs)
@@ -114,10 +99,8 @@ def compiled_graphs() -> int:
 
 def report_compile_time(step_started: float, device: torch.device, size: int, logger,
                         step: int) -> None:
-    """The first compiled step at each train size includes the compilation (about a minute
-    for a ResNet-50): worth a record of its own, logged at optimizer step `step`, with the
-    count of compiled graphs (one per region, mode and size, never one per step). Waits for
-    the device once per size."""
+    """The first compiled step at each train size includes the compilation: a record of its
+    own at step `step`, with the count of compiled graphs. Waits for the device once per size."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - step_started

@@ -3,14 +3,9 @@ grad scaler, precision, input pipelines, position, epoch sums) and runs its loop
 optimizer, schedule and loss come from `parts` (parts.py: the config's, or a Python caller's).
 
 The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
-save/stop request. Its clock (pace.py) tells the share of each interval spent waiting for
-batches, and the time left. Everything parallel hides behind `sync` (app/parallel:
-`sync.step()` wraps forward and backward, `sync.finish_step()` waits for the averaged
-gradients); numerics behind `precision`; saving and stopping on request behind `requests`
-(app/runtime/interrupts.py). Losses stay on the device and are fetched every print interval.
-Both input pipelines start their processes before the first step. --accum-steps K: an
-optimizer step takes K batches (accumulation.py). --model-ema: a moving average of the weights
-(ema.py) follows each step, is evaluated beside them every epoch and is part of the state.
+save/stop request. Everything parallel hides behind `sync` (app/parallel/__init__.py shows the
+calls), numerics behind `precision`, stop and save requests behind `requests`. Losses stay on
+the device and are fetched once per print interval.
 """
 
 from __future__ import annotations
@@ -168,8 +163,7 @@ class Trainer:
         return models
 
     def save(self, top1: float | None = None) -> Path | None:
-        """Collective: every worker calls it at the same step. Returns the checkpoint's path
-        on the primary (None elsewhere)."""
+        """Collective: all workers call it at one step; returns the path on the primary."""
         best = top1 is not None and top1 > self.best_top1
         if best:
             self.best_top1 = top1
@@ -190,10 +184,9 @@ class Trainer:
         return Finished(metrics)
 
     def open_pipelines(self) -> None:
-        """Both pipelines take what they hold for the run now, at the positions they will
-        first be asked for (train where training goes on, val at its one pass): out of memory
-        then ends the run before its first step, not at the first evaluation, after training
-        has grown torch's allocator."""
+        """Both pipelines take what they hold for the run now, where they will first be asked
+        for: out of memory then ends the run before its first step, not at the first evaluation,
+        after training has grown torch's allocator."""
         if self.position.epoch < self.job.config.train.epochs:
             self.train_data.open(self.position.epoch,
                                  self.accumulation.first_batch(self.position.epoch_step))

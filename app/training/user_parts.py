@@ -1,14 +1,6 @@
-"""The Parts of a run started from Python: the caller's own model, optimizer, schedule and
-loss, one copy per replica (app/training/parts.py says what the Trainer asks of them).
-
-- model: any nn.Module; each replica trains a deep copy of it.
-- optimizer: an instance built on model.parameters() (each replica gets one of the same
-  class, param groups, hyperparameters and state), a function parameters -> optimizer, or
-  None / a name (sgd, adamw, lars, lamb): the config's, its LR per 256 images.
-- schedule: None (constant), a function (epoch, step in epoch) -> LR factor, a function
-  optimizer -> torch LR scheduler (stepped once per optimizer step), or a schedule name of
-  the config (cosine, step, poly, ffcv; its warmup knobs apply).
-- loss: any callable (logits, targets) -> scalar tensor, or None: the config's.
+"""The Parts of a run started from Python: the caller's own model, optimizer, schedule and loss
+(what each may be: app/launch/python_api.py), one copy per replica: a deep copy of the model,
+and an optimizer of the caller's class, param groups, hyperparameters and state.
 """
 
 from __future__ import annotations

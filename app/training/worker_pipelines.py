@@ -1,6 +1,5 @@
-"""A worker's two input pipelines, built from the job: the recipes (augmentations, sizes per
-epoch), this worker's share of the batches and the decoder the config names; with
---log-samples the train pipeline records what it hands over (sample_log.py)."""
+"""A worker's two input pipelines, built from the job: its recipes, this worker's share of the
+batches and the configured decoder; with --log-samples the train pipeline records its batches."""
 
 from __future__ import annotations
 
