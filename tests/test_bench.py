@@ -103,7 +103,7 @@ def test_model_only_compiled_by_regions_is_the_trainers_compile():
     """e2e's model-only row compiles as training does (each block); the eager backend keeps
     it quick on a CPU."""
     from app.bench import model
-    from app.training.speed import compiled_graphs
+    from app.runtime.private_api import compiled_graphs
     before = compiled_graphs()
     row = model.measure("test_resnet", dataclasses.replace(model.OURS_REGIONS, backend="eager"),
                         4, 32, "cpu", steps=2, warmup=1)

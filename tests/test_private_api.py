@@ -4,6 +4,7 @@ that moves one fails here, naming it, rather than in a run."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import subprocess
@@ -36,6 +37,53 @@ def run_python(script: str) -> list[str]:
                           cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
+
+
+OWNERS = ("torch", "multiprocessing")
+
+
+def is_private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+
+def private_names_used(source: str) -> list[str]:
+    """'line: name' for each private name of torch or multiprocessing (and their submodules)
+    that `source`'s code imports or reads; strings and comments do not count."""
+    tree = ast.parse(source)
+    imports_from_owner = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                          and (node.module or "").split(".")[0] in OWNERS]
+    from_owner = {alias.asname or alias.name for node in imports_from_owner
+                  for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: {alias.name}" for alias in node.names
+                      if alias.name.split(".")[0] in OWNERS and is_private(alias.name)]
+        elif node in imports_from_owner:
+            found += [f"{node.lineno}: {name}" for name in
+                      (node.module, *(alias.name for alias in node.names)) if is_private(name)]
+        elif isinstance(node, ast.Attribute) and is_private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in (*OWNERS, *from_owner):
+                found.append(f"{node.lineno}: {node.attr}")
+    return sorted(set(found), key=lambda line: int(line.split(":")[0]))
+
+
+def test_no_private_name_of_python_or_torch_outside_private_api():
+    used = [f"{path.relative_to(REPO)}:{found}"
+            for path in sorted((REPO / "app").rglob("*.py")) if path.name != "private_api.py"
+            for found in private_names_used(path.read_text())]
+    assert used == [], "private names belong in app/runtime/private_api.py"
+
+
+def test_the_private_name_finder_finds_uses_and_imports_not_strings():
+    planted = ("import torch\nfrom multiprocessing import forkserver\n"
+               "from torch.utils.data.dataloader import (\n    _MultiProcessingDataLoaderIter)\n"
+               "x = torch._dynamo.config\ny = 'torch._dynamo' in modules  # torch._foreach_mul_\n"
+               "z = forkserver._forkserver\nfrom torch._dynamo.utils import counters\n")
+    assert [line.split(":")[0] for line in private_names_used(planted)] == ["3", "5", "7", "8"]
 
 
 def test_the_forkserver_keeps_the_pid_of_the_server_it_started():
@@ -87,6 +135,23 @@ def test_a_descriptor_reaches_a_child_of_the_forkserver_through_dupfd():
         "process.start(); process.join(60); os.close(writer)\n"
         "print(process.exitcode, os.read(reader, 64).decode())") == ["0", "passed"], \
         "multiprocessing.reduction.DupFd no longer hands a child of the forkserver our descriptor"
+
+
+def test_torchs_foreach_operations_copy_interpolate_and_scale_lists_of_tensors():
+    import torch  # noqa: PLC0415
+
+    from app.runtime.private_api import foreach  # noqa: PLC0415
+    for operation in ("copy_", "lerp_", "mul_"):
+        private(f"torch._foreach_{operation}")
+    targets = [torch.zeros(3), torch.full((2, 2), 4.0)]
+    sources = [torch.arange(3.0), torch.ones(2, 2)]
+    foreach("lerp_")(targets, sources, 0.25)
+    assert torch.equal(targets[0], torch.tensor([0.0, 0.25, 0.5]))
+    assert torch.equal(targets[1], torch.full((2, 2), 3.25))
+    foreach("mul_")(targets, 4.0)
+    assert torch.equal(targets[1], torch.full((2, 2), 13.0))
+    foreach("copy_")(targets, sources)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
 
 
 def test_atexit_runs_its_handlers_on_request():

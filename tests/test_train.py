@@ -19,9 +19,10 @@ from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
 from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
+from app.runtime.private_api import compiled_graphs
 from app.training import checkpoint
 from app.training.precision import Precision
-from app.training.speed import compiled_graphs, stage_blocks
+from app.training.speed import stage_blocks
 from app.training.trainer import Trainer, train_worker
 from app.training.worker_pipelines import build_pipelines
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver, skipped_rows

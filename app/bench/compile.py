@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from app.bench.model import synthetic_batch
 from app.models.factory import create_model
+from app.runtime.private_api import compiled_graphs
 from app.training.precision import Precision
 from app.training.speed import CompiledForFullBatches
 
@@ -74,7 +75,7 @@ def measure(job: CompileBenchJob) -> None:
         first_step_s = step()
         first_step_cpu_s = time.process_time() - cpu_started
         times = [step() for _ in range(job.steps)]
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = compiled_graphs()
     Path(job.result_file).write_text(json.dumps({
         "first_step_s": first_step_s, "first_step_cpu_s": first_step_cpu_s,
         "step_times_s": times, "graphs": graphs}))

@@ -95,7 +95,7 @@ def ours(setup: Setup, decoder: str) -> dict:
 def release() -> None:
     """What a measurement compiled and allocated let go: the next one compiles its own
     modules (from the caches on disk) and starts with the GPU's memory free."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -65,7 +65,7 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     model = precision.prepare_model(create_model(arch, 1000))
     # a fresh cache, static shapes: each size gets its own graph, as in training, not the
     # dynamic-shape graph a second size would turn the cached one into
-    torch._dynamo.reset()
+    torch.compiler.reset()
     forward = model
     if setting.compile:
         forward = CompiledForFullBatches(model, batch_size, setting.backend) if \

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from app.parallel.watch import SyncFailure
+from app.runtime.private_api import foreach
 
 
 class GradientSync(Protocol):
@@ -68,7 +69,7 @@ class StepImages:
 
 def scale_grads(params: list[torch.Tensor], factor: float) -> None:
     if factor != 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+        foreach("mul_")([p.grad for p in params if p.grad is not None], factor)
 
 
 class LocalSync:

@@ -115,3 +115,28 @@ def names_a_loader(error: BaseException) -> bool:
     """Whether torch's `error` is about one of its loader processes, told or not how it ended
     ("exited unexpectedly", from its wait)."""
     return "DataLoader worker (pid" in str(error)
+
+
+def foreach(operation: str) -> Callable[..., Any]:
+    """torch._foreach_<operation> (copy_, lerp_, mul_): one call over a list of tensors,
+    grouped into few kernels, as torch's own optimizers do; torch has no public name for it,
+    and a Python loop launches a kernel per tensor (hundreds per step for a ResNet-50)."""
+    import torch  # noqa: PLC0415 (the loaders' processes import this module without torch)
+    return getattr(torch, f"_foreach_{operation}")
+
+
+def allow_graphs_per_code(graphs: int) -> None:
+    """A ResNet's blocks share one `forward` code object, and dynamo keeps at most
+    `recompile_limit` (8) graphs per code object, then runs eagerly with a warning. The limit is
+    raised to one graph per region, mode and size (short batches never compile). Dynamo's
+    settings have no public face but torch._dynamo.config."""
+    import torch._dynamo  # noqa: PLC0415
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, graphs)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, graphs)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (dynamo's own bookkeeping)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    return counters["stats"]["unique_graphs"]

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn as nn
 
+from app.runtime.private_api import foreach
+
 
 def adjusted_decay(decay: float, global_batch: int, every: int, epochs: int) -> float:
     """torchvision's adjustment: alpha = 1 - decay scaled by global batch x every / epochs."""
@@ -55,11 +57,11 @@ class ModelEma:
     @torch.no_grad()
     def update(self) -> None:
         if self.updates == 0:
-            torch._foreach_copy_(self.averaged, self.sources)
+            foreach("copy_")(self.averaged, self.sources)
         else:  # average + (1 - decay) x (model - average)
-            torch._foreach_lerp_(self.averaged, self.sources, 1.0 - self.decay)
+            foreach("lerp_")(self.averaged, self.sources, 1.0 - self.decay)
         if self.copied:
-            torch._foreach_copy_(self.copied, self.copied_sources)
+            foreach("copy_")(self.copied, self.copied_sources)
         self.updates += 1
 
     def state_dict(self) -> dict:

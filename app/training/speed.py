@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
+from app.runtime.private_api import allow_graphs_per_code, compiled_graphs
 from app.training import checkpoint
 
 log = logging.getLogger("imagenet_dp")
@@ -80,21 +81,6 @@ def stage_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stage in model.children() if isinstance(stage, nn.Sequential)
             and all(next(b.children(), None) is not None for b in stage)
             for block in stage]
-
-
-def allow_graphs_per_code(graphs: int) -> None:
-    """A ResNet's blocks share one `forward` code object, and dynamo keeps at most
-    `recompile_limit` (8) graphs per code object, then runs eagerly with a warning. The limit is
-    raised to one graph per region, mode and size (short batches never compile)."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, graphs)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, graphs)
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters  # noqa: PLC0415  (dynamo's own bookkeeping)
-    return counters["stats"]["unique_graphs"]
 
 
 def report_compile_time(step_started: float, device: torch.device, size: int, logger,
