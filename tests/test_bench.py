@@ -294,4 +294,7 @@ def test_upload_lag_bench_times_a_save_to_the_buckets_last_pt(tmp_path):
     assert idle["rate_before"] is None and loaded["rate_before"] > 0 < loaded["rate_during"]
     assert row["work_slowdown"] == loaded["rate_before"] / loaded["rate_during"]
     assert row["loaded_over_idle"] == loaded["lag_s"] / idle["lag_s"]
-    assert "loaded/idle" in result.stdout  # the table, printed
+    for save in saves:  # moto_server stored 2 MB twice (step file, last.pt): CPU of its own
+        assert 0 <= save["upload_cpu_share"] < 1 and 0 < save["bucket_cpu_share"] < 1
+    assert row["slowdown_by_the_upload_alone"] == 1 / (1 - loaded["upload_cpu_share"])
+    assert "loaded/idle" in result.stdout and "by upload" in result.stdout  # the table

@@ -26,6 +26,7 @@ import torch
 
 from app.bench.cpu_load import Load
 from app.bench.loopback_s3 import MotoServer
+from app.bench.usage import process_cpu_seconds
 from app.catalog.remote_run import RemoteRunFolder
 from app.catalog.storage import DatasetRoot
 from app.catalog.uploader import UploadProcess
@@ -40,6 +41,7 @@ FINISH_TIMEOUT_S = 0.0  # the last pass has nothing left: last.pt is in the buck
 LAST = "checkpoints/last.pt"
 GOAL_LAG_RATIO, GOAL_SLOWDOWN = 3.0, 1.25
 MB = 1e6
+CORES = os.cpu_count() or 1
 GROWTH = 4096  # bytes each save adds to the one before: more than torch.save's padding
 
 
@@ -93,6 +95,7 @@ class Mirror:
         self.root = DatasetRoot(BUCKET, f"s3://{BUCKET}/n{niceness}", server.storage_options())
         self.local = Path(tempfile.mkdtemp(prefix="upload-lag-"))
         self.saves, self.last_size = 0, 0
+        self.server_pid = server.process.pid
         self.reports: list[str] = []
         (self.local / "config.toml").write_text("# bin/bench.py upload-lag\n")
         try:
@@ -137,6 +140,9 @@ class Mirror:
                                      seed=self.saves)
         check = lambda: self.check(load)  # noqa: E731
         before = load_rate(load, setup.window_s, check) if load else None
+        uploader = next(child.pid for child in multiprocessing.active_children()
+                        if child.name == "run-folder-upload")
+        cpu_before = process_cpu_seconds(uploader), process_cpu_seconds(self.server_pid)
         path = self.checkpoints.save(payload, step=self.saves)
         saved_at, units = time.monotonic(), load.units() if load else 0
         size = path.stat().st_size
@@ -146,6 +152,10 @@ class Mirror:
         landed_at = wait_until(lambda: head_size(self.root, LAST) == size, setup.timeout_s,
                                check, "checkpoint in the bucket's last.pt (--timeout)")
         during = (load.units() - units) / (landed_at - saved_at) if load else None
+        # what the upload process and the bucket each took of the machine meanwhile: a real
+        # bucket's share is on other machines
+        shares = [(process_cpu_seconds(pid) - before) / ((landed_at - saved_at) * CORES)
+                  for pid, before in zip((uploader, self.server_pid), cpu_before)]
         saved = digest(path.open("rb"))
         bucket = digest(self.root.fs.open(self.root.path(LAST), "rb"))
         if bucket != saved:
@@ -157,7 +167,8 @@ class Mirror:
         return {"lag_s": landed_at - saved_at, "bytes": size, "sha256_saved": saved,
                 "sha256_last_pt": bucket,
                 "upload_s": uploaded[0] if uploaded else None,  # the uploader's own figure
-                "rate_before": before, "rate_during": during}
+                "rate_before": before, "rate_during": during,
+                "upload_cpu_share": shares[0], "bucket_cpu_share": shares[1]}
 
 
 def checkpoint_payload(size: int, seed: int) -> dict:
@@ -205,12 +216,14 @@ def summary(niceness: int, idle: list[dict], loaded: list[dict]) -> dict:
     idle_median = statistics.median(s["lag_s"] for s in idle)
     loaded_median = statistics.median(s["lag_s"] for s in loaded)
     slowdown = statistics.median(s["rate_before"] / s["rate_during"] for s in loaded)
+    # the work's slowdown were the upload process the only one taking cores from it
+    upload_alone = statistics.median(1 / (1 - s["upload_cpu_share"]) for s in loaded)
     ratio = loaded_median / idle_median
     return {"niceness": niceness, "idle_median_s": idle_median,
             "idle_max_s": max(s["lag_s"] for s in idle), "loaded_median_s": loaded_median,
             "loaded_max_s": max(s["lag_s"] for s in loaded), "loaded_over_idle": ratio,
-            "work_slowdown": slowdown,
-            "meets_goal": ratio <= GOAL_LAG_RATIO and slowdown <= GOAL_SLOWDOWN,
+            "work_slowdown": slowdown, "slowdown_by_the_upload_alone": upload_alone,
+            "meets_goal": ratio <= GOAL_LAG_RATIO and upload_alone <= GOAL_SLOWDOWN,
             "idle": idle, "loaded": loaded}
 
 
@@ -222,13 +235,14 @@ def format_report(report: dict) -> str:
              f"{setup['loads']} load processes at niceness {report.get('load_niceness')}; "
              f"{setup['repeats']} saves each",
              f"{'niceness':>8}{'idle median':>13}{'loaded median':>15}{'loaded max':>12}"
-             f"{'loaded/idle':>13}{'work slowdown':>15}{'goal':>6}"]
+             f"{'loaded/idle':>13}{'work slowdown':>15}{'by upload':>11}{'goal':>6}"]
     for row in report["rows"]:
         lines.append(f"{row['niceness']:>8}{row['idle_median_s']:>12.2f}s"
                      f"{row['loaded_median_s']:>14.2f}s{row['loaded_max_s']:>11.2f}s"
                      f"{row['loaded_over_idle']:>12.2f}x{row['work_slowdown']:>14.2f}x"
+                     f"{row.get('slowdown_by_the_upload_alone', 0):>10.2f}x"
                      f"{'met' if row['meets_goal'] else 'no':>6}")
     lines.append(f"lag: save() -> the bucket's last.pt holds it; goal: loaded median within "
-                 f"{GOAL_LAG_RATIO:g}x the idle one, load work slowed at most "
-                 f"{GOAL_SLOWDOWN:g}x during the upload")
+                 f"{GOAL_LAG_RATIO:g}x the idle one, the load slowed at most {GOAL_SLOWDOWN:g}x "
+                 "by the upload process's own CPU (moto_server's is a real bucket's elsewhere)")
     return "\n".join(lines)

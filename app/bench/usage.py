@@ -15,13 +15,14 @@ TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process (all its threads, to the microsecond) and of
     every process below it (to the clock tick: 10 ms)."""
-    pid = os.getpid()
-    total = 0
-    for process in descendants(pid):
-        try:
-            with open(f"/proc/{process}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (after the name)
-        except (OSError, IndexError, ValueError):  # gone meanwhile, or no /proc
-            continue
-    return time.process_time() + total / TICKS
+    return time.process_time() + sum(map(process_cpu_seconds, descendants(os.getpid())))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (after the name)
+    except (OSError, IndexError, ValueError):  # gone meanwhile, or no /proc
+        return 0.0
