@@ -10,9 +10,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from app.bench.gpu_check_cli import add_gpu_check
+from app.bench.gpu_check_cli import add_gpu_check, add_photos
 from app.bench.peers_cli import add_peers, peers_run
-from app.bench.photos_cli import add_photos
 from app.bench.upload_lag_cli import add_upload_lag, upload_lag_setup
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
