@@ -14,7 +14,8 @@ from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.loggers import NullLogger
 from app.parallel.sync import LocalSync
-from app.parallel.allreduce import AllReduceSync, free_port
+from app.parallel.allreduce import AllReduceSync
+from app.parallel.plans import free_port
 from app.parallel.ps_server import ServerLinks, run_server
 from app.parallel.ps_worker import ParameterServerSync
 from app.parallel.watch import Watch

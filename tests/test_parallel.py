@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.launch.run import main
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.runtime.cli import run_cli
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S
 from app.training import checkpoint

@@ -16,7 +16,7 @@ import torch
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
 from app.data.sampler import ShardedBatches
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.runtime.liveness import descendants
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.parallel.rounds import ADDRESS_KEY, published_address
 from app.parallel.watch import SyncFailure
 

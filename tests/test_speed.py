@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from app.loggers.jsonl import JsonlLogger
 from app.parallel.sync import LocalSync
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.parallel.buckets import BucketHooks, BucketLayout
 from app.parallel.messages import ServerLinks
 from app.parallel.ps_server import run_server

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from app.catalog.remote_run import staging_folder
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO, run_driver
 from test_reliability import CATALOG, EXACT, SPLITS, driver

@@ -19,7 +19,7 @@ from app.config.sources import parse_config
 from app.launch.run import prepare_job
 from app.loggers import NullLogger
 from app.parallel.sync import LocalSync
-from app.parallel.allreduce import free_port
+from app.parallel.plans import free_port
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE

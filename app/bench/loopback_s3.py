@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from app.bench.start import free_port
+from app.parallel.plans import free_port
 from app.runtime.errors import UserError
 
 START_TIMEOUT_S = 30.0  # moto imports boto and flask: seconds on a busy machine

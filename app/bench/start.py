@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from app.bench.usage import TICKS
+from app.parallel.plans import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 600.0
@@ -155,13 +156,6 @@ def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     first = next(record["first_step_time"] for record in records if "first_step_time" in record)
     return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
-
-
-def free_port() -> int:
-    import socket  # noqa: PLC0415
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rows_for(workers: list[int], syncs: list[str], loaders: list[int], restart: bool,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import socket
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -21,13 +20,6 @@ from app.parallel.sync import (StepImages, average_float_buffers, checked_parame
                                compare_checksums, scale_grads, weights_checksum)
 from app.parallel.rounds import round_store
 from app.runtime.devices import WorkerEnv
-
-
-def free_port() -> int:
-    """A port for the driver's loopback rendezvous (tcp://127.0.0.1:PORT)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:

@@ -6,6 +6,7 @@ beside the workers (the parameter server).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -98,9 +99,15 @@ def backend_for(devices: list[str]) -> str:
     return "gloo"
 
 
+def free_port() -> int:
+    """A port for a loopback rendezvous (tcp://127.0.0.1:PORT)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def allreduce_setup(context: Any, devices: list[str], config: ParallelConfig,
                     requests: SharedRequests | None) -> Setup:
-    from app.parallel.allreduce import free_port  # noqa: PLC0415
     return Setup(AllReducePlan(f"tcp://127.0.0.1:{free_port()}", backend_for(devices), config,
                                requests))
 
