@@ -266,7 +266,8 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny
     process = subprocess.Popen(driver(
         "--catalog", str(catalog_for(tiny_copy)), *EXACT, "-b", "4", "--devices", "cpu,cpu",
         "--epochs", "1", "--checkpoint-interval", "0.005", "--keep-checkpoints", "2",
-        "--run-name", "timed"), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        "-p", "7", "--run-name", "timed"), cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True)
     asked = read_line_with(process, "--checkpoint-interval")
     assert "saving a checkpoint after step" in asked, asked
@@ -280,6 +281,17 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny
     mid_epoch = checkpoint.load(kept[0])  # a save requested by the driver's timer
     assert 0 < mid_epoch["epoch_step"] < 20 and mid_epoch["step"] == mid_epoch["epoch_step"]
     assert not list(folder.glob(".*"))  # no temporary files left
+    # The save (after step 6 at the latest) fell inside the first print interval, steps 1-7:
+    # each interval's images/s still counts all its images (8 a step) over all its time.
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "timed" / "metrics.jsonl").read_text().splitlines()]
+    intervals = [r for r in records if "train/images_per_sec" in r]
+    assert [r["progress/epoch_step"] for r in intervals] == [7, 14, 20]
+    for before, this in zip([{"progress/epoch_step": 0, "progress/epoch_time_s": 0.0}, *intervals],
+                            intervals):
+        seconds = this["progress/epoch_time_s"] - before["progress/epoch_time_s"]
+        images = 8 * (this["progress/epoch_step"] - before["progress/epoch_step"])
+        assert this["train/images_per_sec"] * seconds == pytest.approx(images, rel=1e-6)
 
 
 WRITER = """

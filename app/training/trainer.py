@@ -124,7 +124,6 @@ class Trainer:
     # --- state: what a checkpoint holds (run_state.py writes and reads it) ----------------------
 
     def state_dict(self) -> dict:
-        self.interval.move_into(self.epoch_sums)  # a checkpoint holds every image counted
         bare = checkpoint.unwrap(self.model)
         return {
             "model": bare.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -133,7 +132,8 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.position.epoch, "epoch_step": self.position.epoch_step,
             "step": self.position.step, "best_top1": self.best_top1,
-            "epoch_sums": self.epoch_sums.as_tensor(),  # this worker's share
+            # this worker's share, the print interval's images too (left in it: its own rate)
+            "epoch_sums": self.epoch_sums.as_tensor() + self.interval.as_tensor(),
             "replica": {"buffers": run_state.replica_buffers(self.replica_models()),
                         "rng": checkpoint.rng_states(self.precision.device)},
         }
