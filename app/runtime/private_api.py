@@ -117,10 +117,10 @@ def names_a_loader(error: BaseException) -> bool:
     return "DataLoader worker (pid" in str(error)
 
 
+@functools.cache  # looked up once per operation: the step calls it
 def foreach(operation: str) -> Callable[..., Any]:
-    """torch._foreach_<operation> (copy_, lerp_, mul_): one call over a list of tensors,
-    grouped into few kernels, as torch's own optimizers do; torch has no public name for it,
-    and a Python loop launches a kernel per tensor (hundreds per step for a ResNet-50)."""
+    """torch._foreach_<operation> (copy_, lerp_, mul_): one call over a list of tensors in few
+    kernels, as torch's optimizers do, where a loop launches one per tensor; no public name."""
     import torch  # noqa: PLC0415 (the loaders' processes import this module without torch)
     return getattr(torch, f"_foreach_{operation}")
 
