@@ -241,8 +241,8 @@ def image_read_at(root, step: int, batch: int, workers: int):
 
 def wait_releasing(fifo, process, timeout: float = 120) -> int:
     """Until the driver exits, let go any worker that waits on the FIFO: opening its writing
-    end ends the wait, the read fails (a FIFO cannot seek), and the reader's retry finds the
-    image back in place. Returns the driver's exit code."""
+    end ends the wait and the read fails (a FIFO cannot seek), so that image is skipped.
+    Returns the driver's exit code."""
     deadline = time.monotonic() + timeout
     while process.poll() is None:
         assert time.monotonic() < deadline, "the driver did not finish"
@@ -281,16 +281,25 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny
     mid_epoch = checkpoint.load(kept[0])  # a save requested by the driver's timer
     assert 0 < mid_epoch["epoch_step"] < 20 and mid_epoch["step"] == mid_epoch["epoch_step"]
     assert not list(folder.glob(".*"))  # no temporary files left
+    # The stalled read, if a loader had begun it before the image came back, failed (a FIFO
+    # cannot seek): that image was skipped and listed. It is worker 0's, in steps 1-7.
+    run = tmp_path / "runs" / "timed"
+    skipped = [line.split("\t")[2] for line in
+               (run / "skipped.tsv").read_text().splitlines()[1:]] if (
+        run / "skipped.tsv").exists() else []
+    assert skipped in ([], [str(stalled.relative_to(tiny_copy))]), skipped
     # The save (after step 6 at the latest) fell inside the first print interval, steps 1-7:
-    # each interval's images/s still counts all its images (8 a step) over all its time.
-    records = [json.loads(line) for line in
-               (tmp_path / "runs" / "timed" / "metrics.jsonl").read_text().splitlines()]
+    # each interval's images/s still counts all its images (8 a step: worker 0's own count x 2
+    # workers) over all its time.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     intervals = [r for r in records if "train/images_per_sec" in r]
     assert [r["progress/epoch_step"] for r in intervals] == [7, 14, 20]
+    assert records[-1]["train/images"] == 160 - len(skipped)
     for before, this in zip([{"progress/epoch_step": 0, "progress/epoch_time_s": 0.0}, *intervals],
                             intervals):
         seconds = this["progress/epoch_time_s"] - before["progress/epoch_time_s"]
         images = 8 * (this["progress/epoch_step"] - before["progress/epoch_step"])
+        images -= 2 * len(skipped) if before["progress/epoch_step"] == 0 else 0
         assert this["train/images_per_sec"] * seconds == pytest.approx(images, rel=1e-6)
 
 
