@@ -73,3 +73,28 @@ def test_torchs_line_for_a_dead_loader_is_told_as_it_says_even_inside_another_er
         "SIGKILL (by a user or the out-of-memory killer)"
     assert loaders.loader_death(exited) == "its loader process (pid 4343) exited with code 3"
     assert loaders.loader_death(RuntimeError("Connection closed by peer")) is None
+
+
+ORPHANED = """
+import multiprocessing, os, sys, time
+from app.runtime.liveness import die_with_parent
+
+def child(parent):
+    deadline = time.monotonic() + 60
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the parent is gone, as a loader process that starts late
+    print("orphaned", flush=True)
+    die_with_parent()
+    print("survived", flush=True)
+
+multiprocessing.get_context("fork").Process(target=child, args=(os.getpid(),)).start()
+os._exit(0)
+"""
+
+
+def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once():
+    """A loader process that reached its init after its worker had died (a busy machine) was
+    left running, holding the worker's output pipes: now it dies at once."""
+    done = subprocess.run([sys.executable, "-c", ORPHANED], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=120)
+    assert done.stdout.split() == ["orphaned"], done.stderr  # the pipe closes as it dies

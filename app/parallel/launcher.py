@@ -45,9 +45,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
     the driver (each reaching every process is one request to save, passed on by the driver) and
     reports why it failed before exiting non-zero."""
     forkserver.take_over(caller)
-    die_with_parent()
-    if os.getppid() != server:  # the server (and the driver) went before the line above
-        os._exit(1)
+    die_with_parent(server)
     # Ignored before unblocked: one sent to every process while this child started (blocked
     # since the fork) is dropped here; the driver got it too.
     ignore_stop_signals()

@@ -4,9 +4,7 @@ die with it; else a killed driver would leave it importing on, or running while 
 its pipe. It also ignores the stop signals: sent to every process of a run (Slurm,
 `kill -- -PGID`), they are a request to save that the driver acts on, and the server (which
 does not keep the mask it was started with) must outlive it. A side effect on import, on
-purpose: a module name is all Python's forkserver takes. Imports nothing of app/ but
-runtime.liveness and runtime.interrupts.
-"""
+purpose: a module name is all Python's forkserver takes."""
 
 from __future__ import annotations
 
@@ -18,7 +16,5 @@ from app.runtime.liveness import die_with_parent
 PARENT = "IMAGENET_DP_FORKSERVER_PARENT"  # the starting process's pid, set for the server only
 
 if PARENT in os.environ:
-    die_with_parent()
+    die_with_parent(int(os.environ.pop(PARENT)))
     ignore_stop_signals()
-    if os.getppid() != int(os.environ.pop(PARENT)):  # gone before the line above
-        os._exit(0)

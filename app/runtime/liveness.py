@@ -5,19 +5,25 @@ os.kill(pid, 0). Imports nothing of app/."""
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies, so no child outlives a
-    killed driver (Linux; a no-op elsewhere)."""
+    killed driver (Linux; a no-op elsewhere), even one gone before the request took effect (a
+    busy machine delays a child's start): `parent` is the pid expected (by default
+    multiprocessing's parent, right for fork and spawn; a forkserver's child passes the server's)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
-        pass
+        return
+    parent = parent or getattr(multiprocessing.parent_process(), "pid", None)
+    if parent and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def is_alive(pid: int) -> bool:
