@@ -284,9 +284,7 @@ def test_checkpoint_interval_saves_mid_epoch_and_keeps_the_newest(tmp_path, tiny
     # The stalled read, if a loader had begun it before the image came back, failed (a FIFO
     # cannot seek): that image was skipped and listed. It is worker 0's, in steps 1-7.
     run = tmp_path / "runs" / "timed"
-    skipped = [line.split("\t")[2] for line in
-               (run / "skipped.tsv").read_text().splitlines()[1:]] if (
-        run / "skipped.tsv").exists() else []
+    skipped = [row["path"] for row in skipped_rows(run)] if (run / "skipped.tsv").exists() else []
     assert skipped in ([], [str(stalled.relative_to(tiny_copy))]), skipped
     # The save (after step 6 at the latest) fell inside the first print interval, steps 1-7:
     # each interval's images/s still counts all its images (8 a step: worker 0's own count x 2
