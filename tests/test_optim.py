@@ -202,3 +202,36 @@ def test_lars_and_lamb_adapt_only_the_decayed_weights(name):
                                                 p.grad / (p.grad.abs() + 1e-6)),
         rtol=1e-2, atol=0)]
     assert len(adapted) == len(decay["params"])
+
+
+def test_ranger_is_radam_pulled_half_way_back_every_sixth_step():
+    """Ranger: RAdam steps (decoupled weight decay on weights only), and every sixth step the
+    weights go half way back to where the six began. timm's Lookahead takes its first slow
+    weights at step 6 (fastai's at step 0): the first pull back is at step 12."""
+    torch.manual_seed(0)
+    model = create_model("test_resnet", 10).double()
+    grads = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(12)]
+    config = OptimConfig(optimizer="ranger", lr=0.04, momentum=0.95, weight_decay=1e-2)
+    ranger = build_optimizer(model, config, 64)
+    reference = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    decayed = {id(p) for p in ranger.param_groups[0]["params"]}
+    radam = torch.optim.RAdam(
+        [{"params": [reference[n] for n, p in model.named_parameters() if id(p) in decayed],
+          "weight_decay": 1e-2},
+         {"params": [reference[n] for n, p in model.named_parameters() if id(p) not in decayed],
+          "weight_decay": 0.0}], lr=0.01, betas=(0.95, 0.99), eps=1e-6,
+        decoupled_weight_decay=True)
+    for step, grad in enumerate(grads, start=1):
+        for n, p in model.named_parameters():
+            p.grad = grad[n].clone()
+            reference[n].grad = grad[n].clone()
+        ranger.step()
+        radam.step()
+        if step < 12:  # until then the weights are RAdam's
+            assert all(torch.allclose(p, reference[n]) for n, p in model.named_parameters())
+        if step == 6:
+            slow = {n: p.detach().clone() for n, p in reference.items()}
+    for n, p in model.named_parameters():
+        assert torch.allclose(p, slow[n] + 0.5 * (reference[n] - slow[n])), n
+        assert not torch.allclose(p, reference[n]), n
+    assert ranger.param_groups[0]["weight_decay"] == 1e-2 and len(decayed) > 0

@@ -152,8 +152,9 @@ class OptimConfig:
     optimizer: str = param(
         "sgd", "optimizer: sgd, adamw, lars (timm's; for large global batches, e.g. MLPerf's "
         "ResNet-50: LARS, 5 warmup epochs, label smoothing 0.1, eps 0, trust coefficient "
-        "0.001), lamb (timm's, with its gradient-norm clip at 1.0; --momentum is beta1)",
-        choices=("sgd", "adamw", "lars", "lamb"))
+        "0.001), lamb (timm's, with its gradient-norm clip at 1.0; --momentum is beta1), "
+        "ranger (fastai's: Lookahead around RAdam, decoupled decay; --momentum is beta1)",
+        choices=("sgd", "adamw", "lars", "lamb", "ranger"))
     lr: float = param(0.1, "learning rate per 256 images; scaled by the global batch size",
                       check=positive())
     momentum: float = param(0.9, "SGD momentum (AdamW: beta1)", check=between(0, 1))
@@ -180,11 +181,12 @@ class OptimConfig:
     warmup_epochs: float = param(5.0, "warmup length in epochs", "--lr-warmup-epochs",
                                  check=at_least(0))
     lr_warmup_method: str = param("linear", "warmup: linear (from --lr-warmup-decay x LR up to "
-                                  "the LR) or constant (--lr-warmup-decay x LR)",
+                                  "the LR) or constant (--lr-warmup-decay x LR; at 1 before "
+                                  "a cosine: fastai's flat-then-cosine)",
                                   choices=("linear", "constant"))
     lr_warmup_decay: float = param(0.0, "the warmup's starting factor (torchvision: 0.01; 0 = "
                                    "linear from the first step's share, as before)",
-                                   check=between(0, 1))
+                                   check=(lambda v: 0 <= v <= 1, "must be in [0, 1]"))
     lr_min: float = param(0.0, "cosine and poly schedules: the LR they end at (torchvision's "
                           "--lr-min; MLPerf's end learning rate)",
                           check=at_least(0))

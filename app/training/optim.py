@@ -53,16 +53,22 @@ def build_optimizer(model: nn.Module, config: OptimConfig, global_batch: int,
     if config.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(config.momentum, 0.999),
                                  fused=fused_or_default)
-    if config.optimizer in ("lars", "lamb"):
+    if config.optimizer in ("lars", "lamb", "ranger"):
         return timm_optimizer(config, groups, lr)
     return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
                            fused=fused_or_default)
 
 
 def timm_optimizer(config: OptimConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
-    """timm's LARS (the MLPerf reference's trust coefficient and eps) or LAMB (with its global
-    gradient-norm clip at 1.0); timm is imported only for them."""
+    """timm's LARS (the MLPerf reference's trust coefficient and eps), LAMB (with its global
+    gradient-norm clip at 1.0) or Ranger: fastai's, as its Imagenette leaderboard entries train,
+    timm's Lookahead (6 steps, half way back) around RAdam with decoupled weight decay, beta2
+    0.99 and eps 1e-6; timm is imported only for them."""
     import timm.optim  # noqa: PLC0415
+    if config.optimizer == "ranger":
+        radam = torch.optim.RAdam(groups, lr=lr, betas=(config.momentum, 0.99), eps=1e-6,
+                                  decoupled_weight_decay=True)
+        return timm.optim.Lookahead(radam, alpha=0.5, k=6)
     if config.optimizer == "lars":
         return timm.optim.Lars(groups, lr=lr, momentum=config.momentum,
                                nesterov=config.nesterov, trust_coeff=0.001, eps=0.0)

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("imagenet_dp")
 
 REMOTE_SAMPLE = 32  # files looked up on an object store (one request each)
-# state tensors per parameter (momentum; first and second moments)
-OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2, "lars": 1, "lamb": 2}
+# state tensors per parameter (momentum; first and second moments; Lookahead's slow weights)
+OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2, "lars": 1, "lamb": 2, "ranger": 3}
 
 
 def check(job: TrainJob, saves: bool) -> None:
