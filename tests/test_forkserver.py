@@ -185,7 +185,8 @@ def cuda_in_child(writer) -> None:
 def test_a_loader_forks_unless_this_process_runs_an_object_stores_threads(s3_server):
     """obstore's requests run on a tokio runtime; a child forked after one hangs on its own
     first request (even through a new client). fsspec and s3fs start afresh in a child, and
-    a client that has made no request has no threads yet."""
+    a client that has made no request has no threads yet. Loaders that read without obstore
+    (a local copy, the s3fs reader) fork all the same."""
     client = s3_server.client()
     client.create_bucket(Bucket="forks")
     client.put_object(Bucket="forks", Key="hello.txt", Body=b"hello")
@@ -202,9 +203,10 @@ print(start_method())
 import obstore
 assert obstore.get(root.store, "hello.txt").bytes() == b"hello"
 print(start_method())
+print(start_method(uses_obstore=False))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=Path(__file__).parents[1], timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fork", "spawn"]
+    assert done.stdout.split() == ["fork", "spawn", "fork"]
     assert "loader processes are spawned, not forked: this process runs tokio" in done.stderr

@@ -2,8 +2,8 @@
 how the worker tells of one that died.
 
 Forked from their worker (`start_method`), they start in milliseconds with its imports and
-table, nothing pickled; spawned only where the worker runs threads a fork would break
-(app/runtime/fork_safety.py). A dead one is noticed within LIVENESS_POLL_S of a wait for a
+table, nothing pickled; spawned only where they read through obstore and the worker runs its
+threads, which a fork would break (app/runtime/fork_safety.py). A dead one is noticed within LIVENESS_POLL_S of a wait for a
 batch and told in one line naming it and how it ended, whatever error the DataLoader raised.
 """
 
@@ -35,16 +35,17 @@ LIVENESS_POLL_S = 0.5
 DEATH_READABLE_S = 2.0
 
 
-def data_loader(dataset: Dataset, workers: int, **options) -> DataLoader:
+def data_loader(dataset: Dataset, workers: int, uses_obstore: bool, **options) -> DataLoader:
     loader_type = private_api.loader_polling_every(LIVENESS_POLL_S)
     return loader_type(dataset, num_workers=workers, persistent_workers=workers > 0,
-                       multiprocessing_context=start_method() if workers else None,
+                       multiprocessing_context=start_method(uses_obstore) if workers else None,
                        worker_init_fn=loader_init, **options)
 
 
-def start_method() -> str:
-    """Fork (the table's pages stay shared), unless a fork breaks a thread this process runs."""
-    broken = threads_fork_breaks()
+def start_method(uses_obstore: bool = True) -> str:
+    """Fork (the table's pages stay shared), unless a fork breaks a thread this process runs
+    that the loaders need: only loaders that read through obstore need its runtime."""
+    broken = threads_fork_breaks() if uses_obstore else []
     if broken:
         log.info("loader processes are spawned, not forked: this process runs %s threads",
                  broken[0])

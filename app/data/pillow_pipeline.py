@@ -152,6 +152,7 @@ def build_loader(root: DatasetRoot, frame: pd.DataFrame, recipe: Recipe,
                  collate_fn: Callable[[list], object] = collate) -> DataLoader:
     """`dataset_type` and `collate_fn`: what the loader processes make of images and batches."""
     return loaders.data_loader(dataset_type(root, frame, recipe, batches), workers,
+                               uses_obstore=root.reader == "obstore",
                                batch_sampler=ReadAhead(batches, workers),
                                collate_fn=collate_fn, pin_memory=pin_memory)
 
