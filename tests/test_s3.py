@@ -229,9 +229,13 @@ def test_profile_credentials_sign_the_requests_and_anon_sends_none(tmp_path, s3_
     assert seen["anon"] == ({}, 8)
 
 
-def test_unreachable_endpoint_is_a_clear_error(tmp_path, s3_server, capsys):
+def test_unreachable_endpoint_is_a_clear_error(tmp_path, s3_server, capsys, monkeypatch):
     from app.launch.run import main
     from app.runtime.cli import run_cli
+    # one try: the message is what is tested; botocore's waits between tries (up to 1, 2, 4
+    # and 8 s) are its own, and would only make the test wait
+    monkeypatch.setattr("app.catalog.catalog.BOTOCORE_RETRIES", {"max_attempts": 1,
+                                                                  "mode": "standard"})
     catalog = s3_catalog(tmp_path, "s3://imagenet-test/ilsvrc", "http://127.0.0.1:9",
                          concurrency=4)
     code = run_cli(main, ["--catalog", str(catalog), "--dataset", "s3"])
