@@ -2,8 +2,10 @@
 every process of the run's group (Slurm's preemption of a step, systemd stopping a spot machine,
 `kill -- -PGID`), Ctrl-C's whole foreground group, SIGUSR1 to every process, torchrun's agent
 passing its SIGTERM on to the ranks. Each time the run saves once, its bucket's last.pt names
-that checkpoint, and one worker on a fresh machine (staging wiped) resumes it from the bucket
-at the same global batch and ends it, each epoch evaluated once and each step logged once."""
+that checkpoint, and a fresh machine (staging wiped) resumes it from the bucket and ends it,
+each epoch evaluated once and each step logged once: one worker at the same global batch, or,
+after a SIGTERM to every process, the same workers, ending bit-identical to a run never
+stopped (what the workers, the server and the loaders saved when each got the signal)."""
 
 import json
 import os
@@ -18,7 +20,8 @@ from app.catalog.remote_run import staging_folder
 from app.parallel.plans import free_port
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO, run_driver
-from test_reliability import CATALOG, EXACT, SPLITS, driver
+from test_reliability import CATALOG, EXACT, SPLITS, assert_bit_identical, driver
+from test_reliability import straight  # noqa: F401 (a fixture: the runs never stopped)
 from test_remote_output import as_checkpoint, bucket_files, new_bucket, wait_for_step
 
 
@@ -29,18 +32,22 @@ def torchrun(*args: str) -> list[str]:
             str(REPO / "bin" / "driver.py"), *args, "-b", "4", "--device", "cpu"]
 
 
-# sender: (how the run starts, the signal, sent to the group (True) or the first process alone)
-SENDERS = {"SIGTERM to every process, ps": ("2 workers ps", signal.SIGTERM, True),
-           "SIGTERM to every process, allreduce": ("2 workers allreduce", signal.SIGTERM, True),
-           "Ctrl-C to the foreground group, ps": ("2 workers ps", signal.SIGINT, True),
-           "SIGUSR1 to every process, allreduce": ("2 workers allreduce", signal.SIGUSR1, True),
-           "torchrun's agent passes SIGTERM on": ("torchrun", signal.SIGTERM, False)}
+# sender: (how the run starts, the signal, sent to the group (True) or the first process
+# alone, the split that resumes it)
+SENDERS = {
+    "SIGTERM to every process, ps": ("2 workers ps", signal.SIGTERM, True, "2 workers ps"),
+    "SIGTERM to every process, allreduce": ("2 workers allreduce", signal.SIGTERM, True,
+                                            "2 workers allreduce"),
+    "Ctrl-C to the foreground group, ps": ("2 workers ps", signal.SIGINT, True, "1 worker"),
+    "SIGUSR1 to every process, allreduce": ("2 workers allreduce", signal.SIGUSR1, True,
+                                            "1 worker"),
+    "torchrun's agent passes SIGTERM on": ("torchrun", signal.SIGTERM, False, "1 worker")}
 
 
 @pytest.mark.parametrize("sender", SENDERS)
-def test_any_sender_of_a_stop_saves_into_the_bucket_and_one_worker_ends_the_run_from_it(
-        s3_server, tmp_path, sender):
-    split, stop, to_group = SENDERS[sender]
+def test_any_sender_of_a_stop_saves_into_the_bucket_and_a_fresh_machine_ends_the_run_from_it(
+        s3_server, tmp_path, straight, sender):
+    split, stop, to_group, resume_split = SENDERS[sender]
     bucket = new_bucket(s3_server, f"stop-{list(SENDERS).index(sender)}")
     url, env = f"s3://{bucket}/exp", {"AWS_ENDPOINT_URL": s3_server.endpoint}
     common = (*CATALOG, *EXACT, "--run-name", "g", "--output-dir", url, "--stop-timeout", "30")
@@ -63,11 +70,14 @@ def test_any_sender_of_a_stop_saves_into_the_bucket_and_one_worker_ends_the_run_
     assert "--resume auto --run-name g" in stderr
 
     shutil.rmtree(staging_folder(url))  # the requeued job runs on a machine that never saw it
-    resumed = run_driver(*common, *SPLITS["1 worker"], "--resume", "auto", cwd=tmp_path,
+    resumed = run_driver(*common, *SPLITS[resume_split], "--resume", "auto", cwd=tmp_path,
                          env=env)
     assert resumed.returncode == 0, resumed.stderr
     files = bucket_files(s3_server, bucket)
-    assert as_checkpoint(files["exp/g/checkpoints/last.pt"])["step"] == 40
+    end = as_checkpoint(files["exp/g/checkpoints/last.pt"])
+    assert end["step"] == 40
+    if resume_split == split:
+        assert_bit_identical(straight(split), end)
     rows = [json.loads(line) for line in files["exp/g/metrics.jsonl"].decode().splitlines()]
     assert [r["epoch"] for r in rows if "val/top1" in r] == [1, 2]
     steps = [r["step"] for r in rows if "val/top1" not in r and "step" in r]
