@@ -24,7 +24,7 @@ class FirstTwo(Dataset):  # the rest never comes
         return index
 
 def started():
-    loader = loaders.data_loader(FirstTwo(), 2, batch_size=1)
+    loader = loaders.data_loader(FirstTwo(), 2, uses_obstore=False, batch_size=1)
     batches = iter(loader)
     loaders.remember_processes(loader)
     next(batches)
