@@ -107,6 +107,30 @@ def test_curves_png_is_a_valid_png_of_the_run(wandb_runs):
     assert width > 500 and height > 400
 
 
+def test_curves_are_redrawn_at_most_every_minute_and_at_the_end(tmp_path, monkeypatch):
+    """Epochs shorter than REDRAW_S are drawn once, at the run's end (or at the next epoch's
+    end after REDRAW_S); an epoch past it is drawn as it ends."""
+    from app.loggers import curves
+    metrics, image = tmp_path / "metrics.jsonl", tmp_path / "curves.png"
+    epoch = {"epoch": 1, "step": 10, "val/top1": 0.5, "train/loss": 1.0}
+    metrics.write_text(json.dumps(epoch) + "\n")
+    clock = iter([100.0, 130.0, 170.0])  # started; epoch 1 ends (30 s); epoch 2 ends (70 s)
+    monkeypatch.setattr(curves.time, "monotonic", lambda: next(clock, 200.0))
+    logger = curves.CurvesLogger(metrics, image)
+    logger.log_metrics(10, {"train/loss": 1.0})
+    logger.log_metrics(10, epoch)
+    assert not image.exists()
+    logger.log_metrics(20, {**epoch, "epoch": 2, "step": 20})
+    drawn = image.stat().st_mtime_ns
+    logger.finish()  # nothing new since epoch 2's draw
+    assert image.stat().st_mtime_ns == drawn
+    image.unlink()
+    fresh = curves.CurvesLogger(metrics, image)
+    fresh.log_metrics(10, epoch)
+    fresh.finish()
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_compares_runs_and_rejects_a_folder_without_metrics(wandb_runs, tmp_path):
     _, _, run_dir = wandb_runs
     out = tmp_path / "compare.png"
