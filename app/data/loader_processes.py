@@ -3,8 +3,9 @@ how the worker tells of one that died.
 
 Forked from their worker (`start_method`), they start in milliseconds with its imports and
 table, nothing pickled; spawned only where they read through obstore and the worker runs its
-threads, which a fork would break (app/runtime/fork_safety.py). A dead one is noticed within LIVENESS_POLL_S of a wait for a
-batch and told in one line naming it and how it ended, whatever error the DataLoader raised.
+threads, which a fork would break (app/runtime/fork_safety.py). A dead one is noticed within
+LIVENESS_POLL_S of a wait for a batch and told in one line naming it and how it ended,
+whatever error the DataLoader raised.
 """
 
 from __future__ import annotations
