@@ -115,8 +115,8 @@ def test_best_pt_follows_the_better_of_the_raw_and_the_average(caplog):
 EMA_FLAGS = ("--model-ema", "--model-ema-steps", "3", "--model-ema-decay", "0.995")
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "lars"])
-def test_resume_with_the_average_a_large_batch_optimizer_and_clipping_continues_exactly(
+@pytest.mark.parametrize("optimizer", ["lamb", "lars", "ranger"])
+def test_resume_with_the_average_lamb_lars_or_ranger_and_clipping_continues_exactly(
         tmp_path, optimizer):
     a, b = straight_and_resumed(tmp_path, 2, 10, *EMA_FLAGS, "--optimizer", optimizer,
                                 "--lr", "0.01", "--clip-grad-norm", "1.0")
@@ -126,9 +126,15 @@ def test_resume_with_the_average_a_large_batch_optimizer_and_clipping_continues_
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
         assert torch.equal(a["ema"]["model"][key], b["ema"]["model"][key]), key
-    for key, state in a["optimizer"]["state"].items():  # LARS: momentum; LAMB: two moments
+    # LARS: momentum; LAMB: two moments; Ranger: RAdam's two moments and Lookahead's slow
+    # weights, taken at step 6 and resumed at step 10, between two pulls (every 6 steps)
+    for key, state in a["optimizer"]["state"].items():
+        assert state.keys() == b["optimizer"]["state"][key].keys()
         for name, value in state.items():
             assert torch.equal(value, b["optimizer"]["state"][key][name]), (key, name)
+    if optimizer == "ranger":
+        assert all("lookahead_slow_buff" in state for state in a["optimizer"]["state"].values())
+        assert [g["lookahead_step"] for g in b["optimizer"]["param_groups"]] == [20, 20]
     assert not torch.equal(a["ema"]["model"]["fc.weight"], a["model"]["fc.weight"])
 
 
