@@ -97,7 +97,7 @@ def worker_imports(config: Config) -> list[str]:
                "fsspec"]  # every reader opens the dataset through fsspec
     if config.data.decoder == "nvjpeg":
         modules.append("app.data.nvjpeg_pipeline")
-    return [*modules, "timm"]  # every model the driver builds by name is timm's
+    return [*modules, "app.models.timm_lib"]  # every model the driver builds by name is timm's
 
 
 def with_job_run_name(config: Config, launch: LaunchEnv | None, environ) -> Config:

@@ -49,6 +49,7 @@ def resolve_layer_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     """timm's ResNet stem asks issubclass(aa_layer, ...), so a name must become a class first;
     timm's own resolver knows its names (avg, blur/blurpool, blurpc)."""
     if isinstance(kwargs.get("aa_layer"), str):
+        from app.models.timm_lib import timm  # noqa: PLC0415, F401 (timm first, without wandb)
         from timm.layers.blur_pool import _normalize_aa_layer  # noqa: PLC0415
         try:
             return {**kwargs, "aa_layer": _normalize_aa_layer(kwargs["aa_layer"])}
@@ -73,7 +74,8 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
                  model_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """A freshly initialised model. `<resnet>_small` has a 3x3 stride-1 stem and no max-pool, as
     CIFAR-style ResNets for 32-64 px inputs; its state_dict keys are its timm ResNet's."""
-    import timm  # noqa: PLC0415 (seconds to import: only where a model is built by name)
+    # seconds to import: only where a model is built by name
+    from app.models.timm_lib import timm  # noqa: PLC0415
     from timm.models.resnet import ResNet  # noqa: PLC0415
     base = name.removesuffix(SMALL_SUFFIX)
     if not timm.is_model(base) and base.rpartition(".")[2][:1].isupper():

@@ -33,7 +33,8 @@ class SmoothedBinaryCrossEntropy(nn.Module):
     def __init__(self, smoothing: float = 0.0, target_threshold: float | None = None):
         super().__init__()
         self.smoothing = smoothing
-        from timm.loss import BinaryCrossEntropy  # noqa: PLC0415 (timm: only for --bce-loss)
+        from app.models.timm_lib import timm  # noqa: PLC0415 (timm: only for --bce-loss)
+        from timm.loss import BinaryCrossEntropy  # noqa: PLC0415
         self.bce = BinaryCrossEntropy(smoothing=smoothing, target_threshold=target_threshold)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

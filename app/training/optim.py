@@ -64,6 +64,7 @@ def timm_optimizer(config: OptimConfig, groups: list[dict], lr: float) -> torch.
     gradient-norm clip at 1.0) or Ranger: fastai's, as its Imagenette leaderboard entries train,
     timm's Lookahead (6 steps, half way back) around RAdam with decoupled weight decay, beta2
     0.99 and eps 1e-6; timm is imported only for them."""
+    from app.models.timm_lib import timm  # noqa: PLC0415
     import timm.optim  # noqa: PLC0415
     if config.optimizer == "ranger":
         radam = torch.optim.RAdam(groups, lr=lr, betas=(config.momentum, 0.99), eps=1e-6,
