@@ -161,7 +161,7 @@ def test_the_preload_of_a_run_never_initialises_cuda():
                           cwd=Path(__file__).parents[1], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "False"]
-    assert "timm" in modules and "app.launch.worker" in modules
+    assert "app.models.timm_lib" in modules and "app.launch.worker" in modules
 
 
 @pytest.mark.gpu
