@@ -1,7 +1,7 @@
 """timm, imported without wandb.
 
 timm imports wandb wherever it is installed (timm/utils/summary.py, for its own
-`update_summary(log_wandb=True)`, which this trainer never calls): about a second of every
+`update_summary(log_wandb=True)`, which this trainer never calls): ~1.8 CPU-s of every
 process that builds a model, so of every run's forkserver and of every torchrun, srun or
 mpirun rank. The process's first import of timm goes through here and hides wandb from that
 one import; wandb stays importable afterwards (`--logger wandb` imports it in the primary
