@@ -14,6 +14,7 @@ its last uploads are what the driver asks for within --stop-timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -83,10 +84,9 @@ class Uploads:
         self.send(Record(tuple(sorted(files))))
 
     def send(self, message: Saved | Record | Finish) -> None:
-        try:
+        # it died: the driver's finish says so
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.connection.send(message)
-        except (BrokenPipeError, ConnectionResetError):  # it died: the driver's finish says so
-            pass
 
     def _relative(self, path: Path) -> str:
         return Path(path).relative_to(self.local).as_posix()
@@ -207,14 +207,12 @@ class Uploader:
         """Takes the messages as they come and makes one request at a time (a newer checkpoint
         said meanwhile goes next) until Finish; None if every sender went without one."""
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 message = messages.get(timeout=self.wait_s())
                 while message is not None:  # all said so far, before choosing what goes next
                     self.take(message)
                     message = messages.get_nowait()
                 return None
-            except queue.Empty:
-                pass
             now, work = time.monotonic(), self.work()
             if self.deadline is not None and all(  # nothing left to try before the deadline
                     max(self.retry_at.get(i, 0), now) >= self.deadline for i in work):

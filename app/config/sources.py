@@ -5,6 +5,7 @@ its declared type and range; a mistake is one UserError naming the file or flag 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -40,10 +41,8 @@ def _coerce(value: Any, kind: Any, where: str, choices: tuple | None) -> Any:
             raise UserError(f"{where}: expected true or false, got {value!r}")
     elif kind in (int, float):
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = kind(value)
-            except ValueError:
-                pass
         accepted = (int,) if kind is int else (int, float)
         if not isinstance(value, accepted) or isinstance(value, bool):
             raise UserError(f"{where}: expected {_describe(kind)}, got {value!r}")

@@ -7,6 +7,7 @@ every process of the run (children leave them to the driver, which ends them wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -178,17 +179,14 @@ class StopSignals:
             return
         self.received, self.received_at = signum, now
         self.count += 1
-        try:
+        # the pipe is full of earlier wake-ups: awake anyway
+        with contextlib.suppress(BlockingIOError):
             os.write(self._notify, b"!")
-        except BlockingIOError:  # the pipe is full of earlier wake-ups: awake anyway
-            pass
 
     def clear(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self.wakeup, 512):
                 pass
-        except BlockingIOError:
-            pass
 
     def name(self) -> str:
         return signal.Signals(self.received).name
@@ -307,8 +305,6 @@ def stop_all(children: list[Child]) -> set[str]:
         child.process.join(timeout=max(0.0, deadline - time.monotonic()))
     for pid in below:
         if is_alive(pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     return {c.name for c in alive if c.process.exitcode in (None, -signal.SIGKILL)}

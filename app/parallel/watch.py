@@ -99,10 +99,8 @@ class Watch:
     def receive(self, source: "queue.Queue", waiting_for: str):
         started = time.monotonic()
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self._get(source, waiting_for, POLL_S)
-            except queue.Empty:
-                pass
             try:
                 self.check()
             except SyncFailure as failure:

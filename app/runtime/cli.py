@@ -3,6 +3,7 @@ process ends without the interpreter's slow teardown."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -43,8 +44,6 @@ def end_process(code: int) -> NoReturn:
     kill_daemon_children()
     run_exit_handlers()  # what sys.exit would run, in the same order
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed, or a pipe nobody reads any more
             stream.flush()
-        except (OSError, ValueError):  # closed, or a pipe nobody reads any more
-            pass
     os._exit(code)
