@@ -192,9 +192,7 @@ class DaliPipeline:
 
     def close(self, at_once: bool = False) -> None:
         """Stops the reader processes (DALI's pool ends them at once) and frees DALI's memory."""
-        if self.pipe is not None:
-            del self.pipe
-            self.pipe = None
+        self.pipe = None
         self.next = None
 
 

@@ -122,14 +122,10 @@ class DeviceDecoder:
 
     def decode(self, batch: EncodedBatch) -> list[torch.Tensor | Skipped]:
         jpegs = list(torch.split(batch.data, batch.lengths)) if batch.lengths else []
-        out = []
-        for jpeg, image, plan, path in zip(jpegs, self.decode_on_device(jpegs), batch.plans,
-                                           batch.paths):
-            if image is None:
-                out.append(self.with_pillow(jpeg, plan, batch.size, path))
-            else:
-                out.append(carry_out(image, plan, batch.size))
-        return out
+        return [carry_out(image, plan, batch.size) if image is not None
+                else self.with_pillow(jpeg, plan, batch.size, path)
+                for jpeg, image, plan, path in zip(jpegs, self.decode_on_device(jpegs),
+                                                   batch.plans, batch.paths)]
 
     def decode_on_device(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """decode_jpegs, ordered before the training stream's work (the module's docstring)."""
