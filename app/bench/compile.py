@@ -19,20 +19,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from app.bench.model import synthetic_batch
+from app.bench.model import compiled, synthetic_batch
 from app.models.factory import create_model
 from app.runtime.private_api import compiled_graphs
 from app.training.precision import Precision
-from app.training.speed import CompiledForFullBatches
-
-
-def compiled(model: nn.Module, setting: str, batch_size: int, backend: str) -> nn.Module:
-    """The module that runs `model` under `setting` (model may be wrapped by DDP)."""
-    if setting == "whole":  # one graph of the whole model
-        return torch.compile(model, backend=backend, dynamic=False)
-    if setting == "regions":
-        return CompiledForFullBatches(model, batch_size, backend)
-    return model
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,16 @@ PEER = ModelSetting("pytorch/examples: fp32, NCHW", "off", False, False)
 OPTIMIZER_STEPS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
+def compiled(model: torch.nn.Module, setting: str, batch_size: int, backend: str
+             ) -> torch.nn.Module:
+    """The module that runs `model` under `setting` (model may be wrapped by DDP)."""
+    if setting == "whole":  # one graph of the whole model
+        return torch.compile(model, backend=backend, dynamic=False)
+    if setting == "regions":
+        return CompiledForFullBatches(model, batch_size, backend)
+    return model
+
+
 def synthetic_batch(precision: Precision, batch_size: int, image_size: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images, in the memory format of `precision`, and labels of 1,000 classes."""
@@ -66,10 +76,8 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
     # a fresh cache, static shapes: each size gets its own graph, as in training, not the
     # dynamic-shape graph a second size would turn the cached one into
     torch.compiler.reset()
-    forward = model
-    if setting.compile:
-        forward = CompiledForFullBatches(model, batch_size, setting.backend) if \
-            setting.regions else torch.compile(model, dynamic=False, backend=setting.backend)
+    forward = compiled(model, ("regions" if setting.regions else "whole") if setting.compile
+                       else "off", batch_size, setting.backend)
     # plain SGD unless a recipe's optimizer (and clipping) is asked for, built as training does
     optimizer = build_optimizer(model, optim, batch_size) if optim else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from app.bench.compile import compiled, in_process
-from app.bench.model import synthetic_batch
+from app.bench.compile import in_process
+from app.bench.model import compiled, synthetic_batch
 from app.config import ParallelConfig
 from app.models.factory import create_model
 from app.parallel.launcher import launch
