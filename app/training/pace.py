@@ -23,8 +23,7 @@ class Interval:
 
 class Pace:
     def __init__(self) -> None:
-        self.epoch_started = self.interval_started = time.perf_counter()
-        self.epoch_waited = self.interval_waited = 0.0
+        self.start_epoch()
         self.whole_epochs: list[float] = []  # seconds of this session's whole epochs
 
     def start_epoch(self) -> None:
@@ -34,16 +33,13 @@ class Pace:
     def batches(self, items: Iterable[Item]) -> Iterator[Item]:
         """`items`, the time each took to come counted as waiting."""
         iterator = iter(items)
-        while True:
-            asked = time.perf_counter()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
+        asked = time.perf_counter()
+        for item in iterator:
             waited = time.perf_counter() - asked
             self.interval_waited += waited
             self.epoch_waited += waited
             yield item
+            asked = time.perf_counter()
 
     def end_interval(self) -> Interval:
         """The interval that ends now; the next one starts."""
