@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--repeats", type=int, default=2)
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
-    add_peers(commands)
+    add_peers(commands, shared)
     add_upload_lag(commands)
     add_photos(commands)
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):

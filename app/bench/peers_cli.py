@@ -9,22 +9,19 @@ from typing import Callable
 from app.bench.peers import TRAINERS, Setup
 
 
-def add_peers(commands: argparse._SubParsersAction) -> None:
+def add_peers(commands: argparse._SubParsersAction, shared: Callable[..., None]) -> None:
+    """`shared`: cli.py's helper for the flags sub-commands share (cli.py imports this module)."""
     peers = commands.add_parser("peers", help="the same training by ours, pytorch/examples' "
                                 "main.py recipe and timm's train.py on the same photos: final "
                                 "top-1 and wall time per seed, mean and spread")
-    peers.add_argument("--catalog", default="datasets.toml")
-    peers.add_argument("--dataset", default="imagenette_local", help="an imagefolder entry "
-                       "on local disk (the peers read its folders)")
+    shared(peers, catalog="datasets.toml", dataset=("imagenette_local", "an imagefolder entry "
+                                                    "on local disk (the peers read its folders)"))
     peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
-    peers.add_argument("-a", "--arch", default="resnet18", help="a name torchvision and timm "
-                       "both know, or ours alone with --peer-arch")
+    shared(peers, arch=("resnet18", "a name torchvision and timm both know, or ours alone with "
+                        "--peer-arch"))
     peers.add_argument("--peer-arch", default="", help="the peers' model when ours is one "
                        "torchvision lacks (e.g. -a resnet50d --peer-arch resnet50)")
-    peers.add_argument("--image-size", type=int, default=64)
-    peers.add_argument("-b", "--batch-size", type=int, default=64)
-    peers.add_argument("--epochs", type=int, default=5)
-    peers.add_argument("-j", "--workers", type=int, default=2, help="loader processes, each")
+    shared(peers, image_size=64, batch_size=64, epochs=5, workers=(2, "loader processes, each"))
     peers.add_argument("--seeds", default="0,1")
     peers.add_argument("--trainers", default=",".join(TRAINERS), help="the first is the "
                        "baseline of the wall-time ratios")
