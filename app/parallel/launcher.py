@@ -271,9 +271,7 @@ def describe_failure(failed: list[Child], reports: dict[str, tuple[str, str]],
     if server is not None and not is_alive(server):
         return 1, (f"the forkserver (pid {server}) that starts this run's processes died, "
                    f"and {len(failed)} process(es) with it")
-    def only_noticed(child: Child) -> bool:
-        return reports.get(child.name, ("", ""))[1] == "sync"
-    child = sorted(failed, key=only_noticed)[0]
+    child = sorted(failed, key=lambda c: reports.get(c.name, ("", ""))[1] == "sync")[0]
     code = child.process.exitcode
     message, kind = reports.get(child.name, ("", ""))
     if code < 0:
@@ -303,8 +301,7 @@ def stop_all(children: list[Child]) -> set[str]:
     deadline = time.monotonic() + STOP_GRACE_S
     for child in alive:
         child.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for pid in below:
-        if is_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    for pid in filter(is_alive, below):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return {c.name for c in alive if c.process.exitcode in (None, -signal.SIGKILL)}
