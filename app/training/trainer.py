@@ -150,8 +150,7 @@ class Trainer:
             self.epoch_sums.load(state["epoch_sums"])
         if self.ema:
             run_state.load_ema(self.ema, state, self.job.resume_from, self.job.config.run.use_ema)
-        replica = state.get("replica")
-        if replica:
+        if replica := state.get("replica"):
             run_state.restore_replica_buffers(self.replica_models(), replica["buffers"])
             checkpoint.set_rng_states(replica["rng"], self.precision.device)
 
