@@ -231,8 +231,7 @@ class Caller:
 
 def caller_now() -> Caller:
     """The caller's environment and output as they are now, for a child (`take_over`)."""
-    outputs = tuple((fd, PassedFd(fd)) for fd in (1, 2) if is_open(fd))
-    return Caller(dict(os.environ), outputs)
+    return Caller(dict(os.environ), tuple((fd, PassedFd(fd)) for fd in (1, 2) if is_open(fd)))
 
 
 def is_open(fd: int) -> bool:
