@@ -73,10 +73,8 @@ def timm_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
         "--epochs", str(setup.epochs), "--warmup-epochs", str(min(5, max(1, setup.epochs // 5))))
     return [sys.executable, setup.timm_train, "--data-dir", str(root), "--train-split", "train",
             "--val-split", "val", "--model", peer_arch(setup), "--num-classes",
-            str(classes(root)),
-            "--img-size", str(setup.image_size),
-            "-b", str(setup.batch_size), *recipe,
-            "-j", str(setup.workers), "--seed", str(seed), "--output", str(out),
+            str(classes(root)), "--img-size", str(setup.image_size), "-b", str(setup.batch_size),
+            *recipe, "-j", str(setup.workers), "--seed", str(seed), "--output", str(out),
             "--experiment", "peers", "--checkpoint-hist", "1", "--log-interval", "50",
             # on a GPU, what timm's README runs: its CUDA prefetcher, AMP, channels_last
             *(("--device", "cuda", "--amp", "--channels-last") if setup.device.startswith("cuda")
@@ -137,9 +135,8 @@ def examples_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
 
 
 def timm_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
-    with open(out / "peers" / "summary.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return [(float(row["eval_top1"]) / 100, None) for row in rows]  # train.py writes percent
+    with open(out / "peers" / "summary.csv", newline="") as handle:  # train.py writes percent
+        return [(float(row["eval_top1"]) / 100, None) for row in csv.DictReader(handle)]
 
 
 COMMANDS: dict[str, Callable[[Setup, int, Path, Path], list[str]]] = {
