@@ -141,10 +141,8 @@ def parquet_labels(source, shard: str) -> np.ndarray:
     if "label" not in handle.schema_arrow.names or "image" not in handle.schema_arrow.names:
         raise ShardError(f"shard {shard}: columns {handle.schema_arrow.names}, expected `image` "
                          "(struct of bytes and path) and `label`, as Hugging Face's imagenet-1k")
-    labels = []
-    for group in range(handle.num_row_groups):
-        column = _row_group(handle, group, "label", shard).column(0)
-        labels.append(column.fill_null(-1).to_numpy().astype(np.int64))
+    labels = [_row_group(handle, group, "label", shard).column(0).fill_null(-1).to_numpy()
+              .astype(np.int64) for group in range(handle.num_row_groups)]
     return np.concatenate(labels) if labels else np.empty(0, dtype=np.int64)
 
 
