@@ -93,10 +93,8 @@ def split_frame(root: DatasetRoot, split: str, index: ClassIndex, info_split: di
                 everything: bool, report: Callable[[str], None] | None) -> pd.DataFrame:
     names = shard_names(root, split, info_split)
     counts = info_counts(names, info_split) if root.layout == "wds" and everything else None
-    if counts is None:
-        raw = shard_labels(root, names, report)
-    else:
-        raw = [np.full(count, -1, dtype=np.int64) for count in counts]
+    raw = shard_labels(root, names, report) if counts is None else \
+        [np.full(count, -1, dtype=np.int64) for count in counts]
     frame = pd.DataFrame({
         "path": [f"{name}#{n}" for name, labels in zip(names, raw) for n in range(len(labels))],
         "shard": np.repeat(np.arange(len(names)), [len(labels) for labels in raw]),
