@@ -62,12 +62,9 @@ def parse_junit(path: Path) -> list[dict]:
 
 
 def ended_in_log(log: str) -> list[dict]:
-    tests = []
-    for line in log.splitlines():
-        match = next((m for m in (pattern.match(line) for pattern in ENDED) if m), None)
-        if match:
-            tests.append({"name": match["name"], "outcome": match["outcome"].lower()})
-    return tests
+    found = (next((m for m in (pattern.match(line) for pattern in ENDED) if m), None)
+             for line in log.splitlines())
+    return [{"name": match["name"], "outcome": match["outcome"].lower()} for match in found if match]
 
 
 def figures(junit_xml: Path, log: Path) -> dict:
