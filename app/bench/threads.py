@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -50,7 +49,8 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset
                 output_dir=folder, run_name=mode, compile="off")
             started = time.perf_counter()
             train(setup, loss=torch.nn.CrossEntropyLoss(), val=val_set, logger=[])
-            rates = interval_rates(setup.run_dir / "metrics.jsonl")
+            rates = load_metrics(setup.run_dir / "metrics.jsonl")["train/images_per_sec"] \
+                .dropna().tolist()
             results.append({"mode": mode, "images_per_s": statistics.median(rates[1:] or rates),
                             "intervals": rates, "wall_s": time.perf_counter() - started})
             progress(report)
@@ -59,10 +59,6 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], dataset
         by_mode["processes"]["images_per_s"]
     progress(report)
     return report
-
-
-def interval_rates(metrics: Path) -> list[float]:
-    return load_metrics(metrics)["train/images_per_sec"].dropna().tolist()
 
 
 def format_report(report: dict) -> str:
