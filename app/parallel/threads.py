@@ -72,10 +72,6 @@ class ThreadGroup:
             self.order.append(member)
             self.ended.set()
 
-    def start(self) -> None:
-        for member in self.members:
-            member.thread.start()
-
     def running(self) -> list[Member]:
         return [m for m in self.members if m.thread.is_alive()]
 
@@ -101,7 +97,8 @@ def start_group(target: Callable, job: Any, devices: list[str], config: Parallel
     for rank, device in enumerate(devices):
         env = WorkerEnv(rank=rank, world_size=len(devices), device=device)
         group.add(f"replica {rank} ({device})", target, (job, env, plan, cpu_replicas))
-    group.start()
+    for member in group.members:
+        member.thread.start()
     return group
 
 
