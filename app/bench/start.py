@@ -58,11 +58,10 @@ def machine_cpu_seconds() -> float:
 
 
 def driver_flags(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
-    devices = ",".join([setup.device] * row.workers)
     return ["--catalog", str(repo / "datasets.toml"), "--dataset", setup.dataset,
             "-a", setup.arch, "--image-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
-            "-j", str(row.loaders), "--devices", devices,
+            "-j", str(row.loaders), "--devices", ",".join([setup.device] * row.workers),
             "--sync", "auto" if row.sync == "local" else row.sync,
             "--output-dir", str(out), "--run-name", "start"]
 
@@ -163,8 +162,7 @@ def rows_for(workers: list[int], syncs: list[str], loaders: list[int], restart: 
     rows = []
     for count in workers:
         for j in loaders:
-            modes = ["local"] if count == 1 else syncs
-            rows += [Row(count, mode, j) for mode in modes]
+            rows += [Row(count, mode, j) for mode in (["local"] if count == 1 else syncs)]
             if peer:
                 rows.append(Row(count, "allreduce", j, "peer"))
     if restart:
