@@ -110,9 +110,8 @@ class DatasetRoot(Location):
 
     def find_with_folders(self, relative: str) -> tuple[list[str], list[str]]:
         """(files, folders) below `relative`; empty folders only where the filesystem has any."""
-        found = self.fs.find(self.path(relative), withdirs=True, detail=True)
         files, folders = [], []
-        for name, info in found.items():
+        for name, info in self.fs.find(self.path(relative), withdirs=True, detail=True).items():
             (folders if info["type"] == "directory" else files).append(self._relative(name))
         return sorted(files), sorted(folders)
 
