@@ -81,12 +81,11 @@ def check_listed_files(job: TrainJob) -> None:
         missing = [path for path in checked if not _exists_remote(root, path)]
     if not missing:
         return
-    share = len(missing) / len(checked)
     limit = job.config.data.max_bad_fraction
     counted = "" if root.is_local else " of a random sample"
     message = (f"dataset '{root.name}': {len(missing)} of {len(checked)} listed images"
                f"{counted} are missing (first: {root.describe(missing[0])})")
-    if share > limit:
+    if len(missing) / len(checked) > limit:
         raise UserError(f"{message}, more than --max-bad-fraction {limit:g}; fix the dataset "
                         "or the tables")
     log.warning("%s; they will be skipped and listed in skipped.tsv", message)
@@ -132,9 +131,8 @@ def listed_files(frame: pd.DataFrame) -> pd.Series:
 def _missing_local(root: Path, listed: pd.Series) -> list[str]:
     """Listed paths not on disk, with one directory listing per folder instead of one stat
     per file (ImageNet: 1,001 listings instead of 1.33 million lookups)."""
-    folders = listed.str.rpartition("/")
     missing = []
-    for folder, names in folders.groupby(0)[2]:
+    for folder, names in listed.str.rpartition("/").groupby(0)[2]:
         try:
             present = set(os.listdir(root / folder))
         except (FileNotFoundError, NotADirectoryError):
