@@ -38,8 +38,7 @@ class EncodedDataset(ImageDataset):
         image = open_image(data)
         if (image.format, image.mode) not in ON_DEVICE or not ends_whole(image, data):
             return apply_on_pil(to_rgb(image), recipe, seed)  # or BadImage: skipped
-        plan = recipe.plan(image.height, image.width, seed)
-        return Encoded(path, data, plan, recipe.size)
+        return Encoded(path, data, recipe.plan(image.height, image.width, seed), recipe.size)
 
 
 @dataclass

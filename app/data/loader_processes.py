@@ -113,8 +113,7 @@ def loader_death(error: BaseException) -> str | None:
         return death_line(*told)
     # Only an error naming a DataLoader worker waits for its death to be readable: any other
     # (a lost peer) is told at once, before a launcher that saw the peer die ends this one.
-    named = private_api.names_a_loader(error)
-    return dead_loader(wait_s=DEATH_READABLE_S if named else 0.0)
+    return dead_loader(wait_s=DEATH_READABLE_S if private_api.names_a_loader(error) else 0.0)
 
 
 def describe_death(process: BaseProcess, deadline: float = 0.0) -> str:

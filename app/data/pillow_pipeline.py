@@ -80,8 +80,7 @@ def apply_plan_on_pil(image: Image.Image, plan: Plan, size: int) -> torch.Tensor
                        box=(left, top, left + w, top + h))
     if plan.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    out = apply_ops(out, plan.ops)
-    return torch.from_numpy(np.asarray(out).copy())
+    return torch.from_numpy(np.asarray(apply_ops(out, plan.ops)).copy())
 
 
 @dataclass

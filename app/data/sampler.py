@@ -83,8 +83,7 @@ class ShardedBatches:
 
     def steps_per_epoch(self) -> int:
         if self.shuffle:
-            samples = self.images_per_epoch() * self.repetitions
-            return math.ceil(samples / self.global_batch)
+            return math.ceil(self.images_per_epoch() * self.repetitions / self.global_batch)
         mine = len(split_evenly(np.arange(self.num_items), self.world_size, self.rank))
         return math.ceil(mine / self.batch_size)
 
