@@ -112,8 +112,7 @@ def train_listing(root: DatasetRoot, classes: Classes = 0) -> pd.DataFrame:
     paths = pd.Series(sorted(p for p in root.find(TRAIN_DIR)
                              if not p.rsplit("/", 1)[-1].startswith(".")), dtype=str)
     check_listed(paths, root.describe(TRAIN_DIR))
-    parts = paths.str.split("/")
-    frame = pd.DataFrame({"wnid": parts.str[-2], "path": paths, "line": 0})
+    frame = pd.DataFrame({"wnid": paths.str.split("/").str[-2], "path": paths, "line": 0})
     return finish(_label_rows(frame, root, TRAIN_DIR, classes), root.describe(TRAIN_DIR))
 
 

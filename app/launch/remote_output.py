@@ -34,8 +34,7 @@ def run_store(catalog: Catalog, output_dir: str, name: str) -> DatasetRoot | Non
 
 def run_dir(output_dir: str, name: str) -> Path:
     """Where the run writes: its folder, or for a URL its staging folder on this machine."""
-    base = staging_folder(output_dir) if is_url(output_dir) else Path(output_dir)
-    return base / name
+    return (staging_folder(output_dir) if is_url(output_dir) else Path(output_dir)) / name
 
 
 def fetched_checkpoint(catalog: Catalog, url: str) -> tuple[str, str]:
