@@ -73,8 +73,7 @@ def probe() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", required=True, help="where the report goes")
-    out = Path(parser.parse_args().json)
-    out.write_text(json.dumps(probe(), indent=2))
+    Path(parser.parse_args().json).write_text(json.dumps(probe(), indent=2))
 
 
 if __name__ == "__main__":

@@ -73,8 +73,7 @@ class OnnxRunner:
                             ) from None
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        logits = self.session.run([ONNX_OUTPUT], {ONNX_INPUT: images.numpy()})[0]
-        return torch.from_numpy(logits)
+        return torch.from_numpy(self.session.run([ONNX_OUTPUT], {ONNX_INPUT: images.numpy()})[0])
 
 
 class Transform:
