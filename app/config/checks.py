@@ -41,8 +41,7 @@ def validate(config: Config, spell: Spelling = flag_spelling) -> None:
         raise UserError("give either --gpus or --devices, not both")
     if config.parallel.replicas_as == "threads":
         validate_threads(config, spell)
-    kinds = {device.split(":")[0] for device in config.parallel.devices}
-    if {"cpu", "cuda"} <= kinds:
+    if {"cpu", "cuda"} <= {device.split(":")[0] for device in config.parallel.devices}:
         # Replicas on both would step in different precisions and kernels (they must stay
         # bit-identical), and the parameter server orders with CUDA events a CPU worker lacks.
         raise UserError(f"--devices {','.join(config.parallel.devices)} mixes CPU and CUDA "
