@@ -158,8 +158,7 @@ def dataset_folder(archive: Archive, unpacked: Path) -> Path:
     """The folder holding train/ and val/: the archive's root, or its one top folder."""
     top = sorted(p for p in unpacked.iterdir()
                  if not p.name.startswith(".") and p.name not in IGNORED_AT_TOP)
-    candidates = [unpacked] + (top if len(top) == 1 and top[0].is_dir() else [])
-    for folder in candidates:
+    for folder in [unpacked] + (top if len(top) == 1 and top[0].is_dir() else []):
         if all(_has_class_folders(folder / split) for split in (TRAIN_FOLDER, VAL_FOLDER)):
             return folder
     held = ", ".join(p.name + ("/" if p.is_dir() else "") for p in top[:6]) or "nothing"

@@ -248,8 +248,7 @@ def unreachable(url: str, where: str, error: BaseException) -> FetchError:
     why, check = first_line(error, 120, True), f"`url` of {where}" if where else "the URL"
     status = getattr(error, "status", None)  # aiohttp's ClientResponseError
     if status == 404 or isinstance(error, (FileNotFoundError, NotFoundError)):
-        found = " (HTTP 404)" if status else ""
-        return NotFound(f"{url} not found{found}; check {check}", why)
+        return NotFound(f"{url} not found{' (HTTP 404)' if status else ''}; check {check}", why)
     if isinstance(status, int):
         return FetchError(f"{url} answered HTTP {status}; check {check}, or try again later if "
                           "the server is busy", why)
