@@ -189,8 +189,7 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
 
 def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:
     """In threads, or in the driver's processes; one device is a thread either way."""
-    run = setup.config.run
-    stopping = Stopping(run.checkpoint_interval, run.stop_timeout)
+    stopping = Stopping(setup.config.run.checkpoint_interval, setup.config.run.stop_timeout)
     if in_threads(setup):
         from app.launch.run import with_eager_threads  # noqa: PLC0415
         from app.parallel.threads import run_threads  # noqa: PLC0415
