@@ -64,7 +64,8 @@ def parse_junit(path: Path) -> list[dict]:
 def ended_in_log(log: str) -> list[dict]:
     found = (next((m for m in (pattern.match(line) for pattern in ENDED) if m), None)
              for line in log.splitlines())
-    return [{"name": match["name"], "outcome": match["outcome"].lower()} for match in found if match]
+    return [{"name": match["name"], "outcome": match["outcome"].lower()}
+            for match in found if match]
 
 
 def figures(junit_xml: Path, log: Path) -> dict:
