@@ -178,6 +178,20 @@ def test_random_resized_crop_boxes_respect_scale_and_ratio():
         assert abs(np.quantile(ours[:, 0], q) - np.quantile(theirs[:, 0], q)) < 0.03
 
 
+def test_shorter_side_boxes_are_squares_of_the_shorter_side_anywhere_along_the_longer():
+    recipe = TrainRecipe(32, crop="shorter-side")
+    for height, width in ((100, 160), (160, 100)):
+        boxes = {recipe.plan(height, width, seed).box for seed in range(200)}
+        long_side = max(height, width)
+        offsets = {left if width > height else top for top, left, _, _ in boxes}
+        # every box is the whole shorter side, square, inside the image
+        assert {(h, w) for _, _, h, w in boxes} == {(100, 100)}
+        assert {left if height > width else top for top, left, _, _ in boxes} == {0}
+        assert min(offsets) == 0 and max(offsets) == long_side - 100 and len(offsets) > 40
+    # a square image: the whole of it, as fastai's Resize gives
+    assert {recipe.plan(64, 64, seed).box for seed in range(20)} == {(0, 0, 64, 64)}
+
+
 def test_train_recipe_is_deterministic_per_seed_and_flips_half():
     recipe = TrainRecipe(32)
     assert recipe.plan(100, 80, 7) == recipe.plan(100, 80, 7)

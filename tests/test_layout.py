@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from app.config import Config
+from app.data.augment import TRAIN_CROPS
 from app.data.auto_augment import AUTO_AUGMENT
 from app.data.decoders import DECODERS
 from app.loggers import LOGGERS
@@ -202,6 +203,7 @@ def test_name_tables_match_the_config_choices():
     assert set(choices("logging", "loggers")) == set(LOGGERS)
     assert set(choices("parallel", "sync")) == (set(SYNC_MODES) - {"local"}) | {"auto"}
     assert choices("augment", "auto_augment") == AUTO_AUGMENT
+    assert choices("augment", "train_crop") == TRAIN_CROPS
 
 
 def reached_from(start: str, graph: dict[str, set[str]]) -> set[str]:

@@ -320,7 +320,7 @@ def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs
 
 def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
     job = train_in_process(tmp_path, "--auto-augment", "ra", "--ra-magnitude", "5",
-                           "--crop-min-scale", "0.35",
+                           "--crop-min-scale", "0.35", "--train-crop", "shorter-side",
                            "--train-crop-size", "48", "--val-resize-size", "40",
                            "--val-crop-size", "36", "--decoder", "pillow", "-j", "0",
                            "--run-name", "augment")
@@ -328,7 +328,8 @@ def test_auto_augment_and_size_flags_reach_the_recipes(tmp_path):
     train, val = build_pipelines(job, WorkerEnv(), precision)
     try:
         assert train.loader.dataset.recipe == TrainRecipe(48, auto_augment="ra",
-                                                          ra_magnitude=5, scale=(0.35, 1.0))
+                                                          ra_magnitude=5, scale=(0.35, 1.0),
+                                                          crop="shorter-side")
         assert val.loader.dataset.recipe == EvalRecipe(36, 36 / 40)
         assert next(train.epoch(0)).images.shape[-2:] == (48, 48)
         assert next(val.epoch(0)).images.shape[-2:] == (36, 36)

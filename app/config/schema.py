@@ -103,6 +103,12 @@ class AugmentConfig:
         0.08, "the smallest share of an image's area a training crop covers (RandomResizedCrop's "
         "scale, from this to 1; torchvision's 0.08; fastai's Imagenette scripts 0.35: a milder "
         "crop for a run of a few epochs)", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    train_crop: str = param(
+        "random-resized", "training crop: random-resized = RandomResizedCrop (--crop-min-scale "
+        "of the area, aspect 3/4-4/3), shorter-side = a square of the image's shorter side at a "
+        "random place along the longer one, resized (fastai's Resize: its Imagenette 128 px / "
+        "5-epoch leaderboard entries; evaluate it with --val-resize-size equal to the crop)",
+        choices=("random-resized", "shorter-side"))  # app/data/augment.py TRAIN_CROPS
     auto_augment: str = param(
         "off", "auto augment policy: ta_wide = TrivialAugmentWide, ra = RandAugment (2 ops), "
         "imagenet = AutoAugment's ImageNet policy, off",

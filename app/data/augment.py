@@ -19,6 +19,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Box = tuple[int, int, int, int]  # top, left, height, width
+TRAIN_CROPS = ("random-resized", "shorter-side")  # the flag's choices
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,13 @@ def random_resized_crop_box(height: int, width: int, rng: random.Random,
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def shorter_side_box(height: int, width: int, rng: random.Random) -> Box:
+    """A square of the shorter side, at a random place along the longer one: the whole photo
+    but for a strip of its longer side (fastai's Resize with its default crop method)."""
+    side = min(height, width)
+    return rng.randint(0, height - side), rng.randint(0, width - side), side, side
+
+
 def center_crop_box(height: int, width: int, crop_fraction: float) -> Box:
     """Resize-shorter-side-then-centre-crop, expressed as one box in the original image."""
     side = max(1, round(min(height, width) * crop_fraction))
@@ -61,12 +69,14 @@ def center_crop_box(height: int, width: int, crop_fraction: float) -> Box:
 
 @dataclass(frozen=True)
 class TrainRecipe:
-    """RandomResizedCrop + horizontal flip + auto-augment, in torchvision's order
-    (normalisation happens on the device). `size` is the crop's; with `sizes` (progressive
-    resizing) it is the first epoch's, and `at_epoch` gives each epoch's recipe."""
+    """RandomResizedCrop (or with crop="shorter-side" a square of the shorter side) +
+    horizontal flip + auto-augment, in torchvision's order (normalisation happens on the
+    device). `size` is the crop's; with `sizes` (progressive resizing) it is the first epoch's,
+    and `at_epoch` gives each epoch's recipe."""
     size: int
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop: str = "random-resized"  # TRAIN_CROPS
     auto_augment: str = "off"  # app/data/auto_augment.py AUTO_AUGMENT
     ra_magnitude: int = 9
     sizes: TrainSizes | None = None
@@ -82,7 +92,8 @@ class TrainRecipe:
 
     def plan(self, height: int, width: int, seed: int) -> Plan:
         rng = random.Random(seed)
-        box = random_resized_crop_box(height, width, rng, self.scale, self.ratio)
+        box = (shorter_side_box(height, width, rng) if self.crop == "shorter-side"
+               else random_resized_crop_box(height, width, rng, self.scale, self.ratio))
         flip = rng.random() < 0.5
         # drawn last: the crop and flip stay those of a run without auto-augment
         return Plan(box, flip, self.policy().draw(rng))

@@ -23,7 +23,8 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
     repetitions = augment.ra_reps if augment.ra_sampler else 1
     recipe = TrainRecipe.for_sizes(job.resolution.train, auto_augment=augment.auto_augment,
                                    ra_magnitude=augment.ra_magnitude,
-                                   scale=(augment.crop_min_scale, 1.0))
+                                   scale=(augment.crop_min_scale, 1.0),
+                                   crop=augment.train_crop)
     window = job.root.options.get("window", DEFAULT_WINDOW)  # shard layouts only
     train = PipelineSpec(job.root, job.tables.train, recipe,
                          batches_for(job.tables.train, batch_size, window, rank=env.rank,
