@@ -1,4 +1,5 @@
-"""Models by name: any timm model, plus `<resnet>_small` variants for low-resolution images.
+"""Models by name: any timm model, plus `<resnet>_small` variants for low-resolution images and
+xse_resnext_mini (app/models/xse_resnext_mini.py).
 Options reach timm.create_model as its own keyword arguments (--drop-path: drop_path_rate;
 --model-kwargs: any other), so timm's defaults hold, such as its ResNets' zero-initialised last
 BatchNorm of each block (each block begins as the identity, as in Goyal et al.)."""
@@ -77,6 +78,8 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
     # seconds to import: only where a model is built by name
     from app.models.timm_lib import timm  # noqa: PLC0415
     from timm.models.resnet import ResNet  # noqa: PLC0415
+
+    import app.models.xse_resnext_mini  # noqa: PLC0415, F401  (enters it in timm's registry)
     base = name.removesuffix(SMALL_SUFFIX)
     if not timm.is_model(base) and base.rpartition(".")[2][:1].isupper():
         # app.train records the caller's model class ("torchvision.models.resnet.ResNet",
