@@ -152,20 +152,27 @@ def test_the_ema_export_of_a_run_with_ema_validates_as_the_runs_ema(trained, tmp
         in result.stdout.splitlines()[-1]
 
 
-def test_a_small_variant_exports_for_our_tools_and_says_timm_cannot(tmp_path):
+@pytest.mark.parametrize("arch, onnx", [("resnet18_small", False), ("xse_resnext_mini", True)])
+def test_the_projects_own_models_export_for_our_tools_and_say_timm_cannot(tmp_path, arch, onnx):
     torch.manual_seed(0)
-    model = create_model("resnet18_small", 3).eval()
-    checkpoint.save(tmp_path / "small.pt", {
-        "model": model.state_dict(), "arch": "resnet18_small", "num_classes": 3,
+    model = create_model(arch, 3).eval()
+    checkpoint.save(tmp_path / "own.pt", {
+        "model": model.state_dict(), "arch": arch, "num_classes": 3,
         "config": {"data": {"image_size": 32}, "model": {"norm": "batch"}}})
     notes = []
-    export(str(tmp_path / "small.pt"), tmp_path / "out", report=notes.append)
+    export(str(tmp_path / "own.pt"), tmp_path / "out", onnx=onnx, report=notes.append)
     assert len(notes) == 1 and "timm.create_model cannot rebuild it" in notes[0]
+    assert arch in notes[0]
     rebuilt = open_model(str(tmp_path / "out"))
     assert rebuilt.recipe == EvalRecipe(32, 32 / 37) and rebuilt.spec.class_names == ()
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        torch.testing.assert_close(rebuilt.model(images), model(images), rtol=0, atol=0)
+        ours = model(images)
+        torch.testing.assert_close(rebuilt.model(images), ours, rtol=0, atol=0)
+    if onnx:
+        session = onnxruntime.InferenceSession(str(tmp_path / "out" / "model.onnx"))
+        theirs = session.run(None, {session.get_inputs()[0].name: images.numpy()})[0]
+        np.testing.assert_allclose(theirs, ours.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_validate_rates_the_export_as_the_driver_rated_the_checkpoint(trained, tmp_path):

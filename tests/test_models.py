@@ -131,3 +131,52 @@ def test_each_blocks_last_norm_starts_at_zero(name, norm):
     assert all(torch.count_nonzero(block.bn1.weight) > 0 for block in blocks(model))
     off = create_model(name, 10, norm, model_kwargs={"zero_init_last": False})
     assert all(torch.count_nonzero(n.weight) > 0 for n in last_norms(off))
+
+
+# --- xse_resnext_mini: fastai's XResNet with one SE-ResNeXt block a stage -----------------
+
+def test_xse_resnext_mini_has_the_mini_nets_shape():
+    """pete88b's mini net: 3x3 stem of 32, 32, 64 channels; one block a stage of 64-512
+    channels that widens 4x in a 64-group 3x3 convolution, returns in a full 3x3 one, then
+    squeeze-and-excitation at 1/8; Mish; 12.9 M weights for 10 classes."""
+    model = create_model("xse_resnext_mini", 10)
+    assert [stem.conv.out_channels for stem in model.stem] == [32, 32, 64]
+    assert [stem.conv.stride[0] for stem in model.stem] == [2, 1, 1]
+    for index, (block, channels) in enumerate(zip(model.stages, (64, 128, 256, 512))):
+        assert block.conv1.conv.groups == 64 and block.conv1.conv.out_channels == 4 * channels
+        assert block.conv1.conv.kernel_size == block.conv2.conv.kernel_size == (3, 3)
+        assert block.conv1.conv.stride[0] == (1 if index == 0 else 2)
+        assert block.conv2.conv.groups == 1 and block.conv2.conv.out_channels == channels
+        assert block.se.fc1.out_channels == channels // 8
+        pools = [m for m in block.shortcut if isinstance(m, nn.AvgPool2d)]
+        assert len(pools) == (0 if index == 0 else 1)
+        assert len(block.shortcut) == (0 if index == 0 else 2)  # pool, then 1x1 projection
+    acts = [m for m in model.modules() if isinstance(m, (nn.ReLU, nn.Mish))]
+    assert acts and all(isinstance(m, nn.Mish) for m in acts)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e5) == 129
+    assert model.forward_features(torch.randn(2, 3, 128, 128)).shape == (2, 512, 4, 4)
+    assert model(torch.randn(2, 3, 128, 128)).shape == (2, 10)
+
+
+def test_xse_resnext_mini_blocks_begin_as_the_identity():
+    """fastai's BatchZero: each block's residual starts at zero, so at first a block is its
+    shortcut followed by Mish; weights from Kaiming's normal (fan in)."""
+    model = create_model("xse_resnext_mini", 10).eval()
+    x = torch.randn(2, 64, 16, 16)
+    assert torch.equal(model.stages[0](x), nn.functional.mish(x))
+    second = model.stages[1]
+    assert torch.equal(second(x), nn.functional.mish(second.shortcut(x)))
+    weight = model.stages[3].conv2.conv.weight  # 512 x 2048 x 3 x 3
+    expected = (2 / weight[0].numel()) ** 0.5
+    assert abs(weight.std().item() / expected - 1) < 0.01
+    assert torch.count_nonzero(model.stages[3].se.fc1.bias) == 0
+
+
+def test_xse_resnext_mini_takes_a_new_head_and_names_what_it_refuses():
+    model = create_model("xse_resnext_mini", 10)
+    model.reset_classifier(3)
+    assert model.get_classifier().out_features == 3 and model.num_classes == 3
+    with pytest.raises(UserError, match="'xse_resnext_mini' does not accept norm = 'group'"):
+        create_model("xse_resnext_mini", 10, "group")
+    with pytest.raises(UserError, match="'xse_resnext_mini' has no option 'aa_layer'"):
+        create_model("xse_resnext_mini", 10, model_kwargs={"aa_layer": "blurpool"})

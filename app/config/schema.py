@@ -127,8 +127,9 @@ class AugmentConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     arch: str = param(
-        "resnet34", "model name: any timm name (resnet18/34/50/101/152, ...) or resnet18_small "
-        "(3x3 stem, no max-pool, for low-resolution images)", "-a")
+        "resnet34", "model name: any timm name (resnet18/34/50/101/152, ...), resnet18_small "
+        "(3x3 stem, no max-pool, for low-resolution images) or xse_resnext_mini (the SE-ResNeXt "
+        "with one block a stage of Imagenette's 128 px / 5-epoch row)", "-a")
     norm: str = param("batch", "normalisation layers: batch (BatchNorm) or group (GroupNorm, "
                       "independent of the batch split)", choices=("batch", "group"))
     # timm's own model options (app/models/factory.py)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from app.inference.model_files import LoadedModel, open_model
-from app.models.factory import SMALL_SUFFIX, parse_model_kwargs
+from app.models.factory import PROJECT_MODELS, SMALL_SUFFIX, parse_model_kwargs
 from app.models.saved_weights import (EXPORT_CONFIG, EXPORT_ONNX, EXPORT_WEIGHTS, ONNX_INPUT,
                                       ONNX_OUTPUT, OUR_SECTION, ModelSpec)
 from app.runtime.errors import UserError, first_line
@@ -109,6 +109,8 @@ def timm_caveat(spec: ModelSpec) -> str:
     """What of the model timm cannot build by name ("" when nothing)."""
     kwargs = parse_model_kwargs(list(spec.model_kwargs))
     reasons = []
+    if spec.arch in PROJECT_MODELS:
+        reasons.append(f"{spec.arch} is this project's model (app/models/{spec.arch}.py)")
     if spec.arch.endswith(SMALL_SUFFIX):
         reasons.append(f"{spec.arch} is this project's variant (3x3 stem, no max-pool)")
     if spec.norm != "batch":

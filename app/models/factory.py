@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib
 import math
 import re
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from app.config import ModelConfig
 
 SMALL_SUFFIX = "_small"
+# This package's own models, each in app/models/<name>.py, entered in timm's registry there
+PROJECT_MODELS = ("xse_resnext_mini",)
 
 
 def group_norm(channels: int, **factory) -> nn.GroupNorm:
@@ -78,8 +81,8 @@ def create_model(name: str, num_classes: int, norm: str = "batch", *, drop_path:
     # seconds to import: only where a model is built by name
     from app.models.timm_lib import timm  # noqa: PLC0415
     from timm.models.resnet import ResNet  # noqa: PLC0415
-
-    import app.models.xse_resnext_mini  # noqa: PLC0415, F401  (enters it in timm's registry)
+    for module in PROJECT_MODELS:  # each enters its model in timm's registry
+        importlib.import_module(f"app.models.{module}")
     base = name.removesuffix(SMALL_SUFFIX)
     if not timm.is_model(base) and base.rpartition(".")[2][:1].isupper():
         # app.train records the caller's model class ("torchvision.models.resnet.ResNet",
