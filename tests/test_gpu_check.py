@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from timm.layers import BlurPool2d
 
 from app.bench import gpu_check, gpu_tests, imagenette, peer_main, peers, photo_parts
 from app.bench.cli import build_parser
@@ -26,6 +25,7 @@ from app.bench.part_summaries import imagenette_lines
 from app.catalog.shrink import shrink
 from app.config.sources import parse_config
 from app.models.factory import create_model_from_config
+from app.models.xse_resnext_mini import XSEResNeXtMini
 from app.runtime.errors import UserError
 from conftest import REPO
 from test_bench import bench
@@ -167,19 +167,22 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
 
 def imagenette_runs_accept_their_flags(row, paths: Paths) -> None:
     """The row as published, on the photos in --work: our driver's command parses to the
-    config's ResNet-50-D with BlurPool (built here), the peer's to torchvision's ResNet-50."""
+    config's recipe, the 2020 holder's (its SE-ResNeXt, built here, Ranger, batch 32, the
+    shorter-side crop at 128 px throughout), the peer's to torchvision's ResNet-50."""
     assert (row.copy, row.seeds, row.device, row.target) == (
         str(paths.work / "imagenette"), "0,1,2", "cuda:0", 0.8577)
     setup = imagenette.setup_of(row)
     config, _ = parse_config(peers.ours_command(setup, 0, paths.work, paths.work)[2:])
     assert (config.model.arch, config.data.image_size, config.data.progressive_start_size,
             config.train.batch_size, config.train.epochs, config.train.compile) == (
-        "resnet50d", 128, 96, 64, 5, "off")
+        "xse_resnext_mini", 128, 0, 32, 5, "off")
+    assert (config.optim.optimizer, config.augment.train_crop, config.data.val_resize_size) == (
+        "ranger", "shorter-side", 128)
     model = create_model_from_config(config.model, 10, with_pretrained=False)
-    assert any(isinstance(module, BlurPool2d) for module in model.modules())
+    assert isinstance(model, XSEResNeXtMini)
     peer = peer_main.parse(peers.examples_command(setup, 0, paths.work, paths.work)[3:])
     assert (peer.arch, peer.image_size, peer.batch_size, peer.epochs, peer.device) == (
-        "resnet50", 128, 64, 5, "cuda")
+        "resnet50", 128, 32, 5, "cuda")
 
 
 def test_the_gpu_tests_report_holds_the_tests_that_ended_before_a_kill(tmp_path):

@@ -39,14 +39,23 @@ def parser() -> argparse.ArgumentParser:
                        "`bin/bench.py photos receive` put together")
     found.add_argument("--json", required=True, help="the report, written after each run")
     found.add_argument("--seeds", default="0,1,2")
-    shared(found, device="cuda:0", arch=("resnet50d", "ours (the config's)"))
+    arch, batch_size = config_model_and_batch()
+    shared(found, device="cuda:0", arch=(arch, "ours (the config's)"))
     found.add_argument("--peer-arch", default="resnet50", help="the peer's: torchvision "
-                       "has no ResNet-50-D")
-    shared(found, image_size=128, batch_size=64, epochs=5, workers=(12, "loader processes"))
+                       f"has no {arch}")
+    shared(found, image_size=128, batch_size=(batch_size, "the config's"), epochs=5,
+           workers=(12, "loader processes"))
     found.add_argument("--target", type=float, default=TARGET)
     found.add_argument("--deadline", type=float, default=float(os.environ.get(DEADLINE_ENV, 0)),
                        help="seconds: start no run expected to end later (0: no limit)")
     return found
+
+
+def config_model_and_batch() -> tuple[str, int]:
+    """The config's model and batch size, the part's defaults: one place says the recipe."""
+    from app.config.sources import file_overrides, make_config  # noqa: PLC0415
+    config = make_config(file_overrides(str(peers.REPO / CONFIG)))
+    return config.model.arch, config.train.batch_size
 
 
 def setup_of(args: argparse.Namespace) -> peers.Setup:
