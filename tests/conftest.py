@@ -216,7 +216,7 @@ def forget_filesystems() -> None:
 def worker_pids(stderr_text: str) -> dict[str, int]:
     """{"worker 1 (cpu)": pid, ...} from the driver's "started ..." line."""
     line = next(l for l in stderr_text.splitlines() if "started" in l)
-    parts = line.split(": ", 2)[2].split(", ")
+    parts = line.split("started ", 1)[1].split(": ", 1)[1].split(", ")
     return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
 
 
@@ -301,6 +301,19 @@ def skipped_rows(run_dir: Path) -> list[dict]:
 # Small and fast: a timm ResNet with 16-192 channels, at 32 px.
 TINY_TRAIN_FLAGS = ("-a", "test_resnet", "--image-size", "32", "-b", "32", "-j", "0",
                     "--lr", "0.4", "--warmup-epochs", "0.5", "--wd", "5e-5")
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory, worker_id):
+    """straight(split): the last checkpoint of tests/exact_runs.py's run in that split, never
+    stopped: what every interrupted run of it must end with. Each split runs once per suite,
+    whichever test process asks first (pytest-xdist's processes share the folder above their
+    own temporary folders)."""
+    from exact_runs import uninterrupted_end
+    shared = tmp_path_factory.getbasetemp()
+    cache = (shared if worker_id == "master" else shared.parent) / "uninterrupted-runs"
+    cache.mkdir(exist_ok=True)
+    return functools.partial(uninterrupted_end, cache)
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
 from pipelines import STD, assert_pillows_batches, damage_five, spec_for  # noqa: E402
-from test_reliability import last, stop_with_sigterm_after  # noqa: E402
+from exact_runs import last, stop_with_sigterm_after  # noqa: E402
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 

@@ -20,7 +20,7 @@ from app.training import checkpoint, run_state
 from app.training.trainer import Trainer
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 from test_parallel import EXACT, relative_difference, weights
-from test_reliability import last, stop_with_sigterm_after
+from exact_runs import last, stop_with_sigterm_after
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
 NUMERICS = {  # flags that replace EXACT's float64, and the tolerance they allow

@@ -19,7 +19,7 @@ from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO
 from test_parallel import CATALOG, EXACT, one_worker_reference, relative_difference, weights  # noqa: F401
-from test_reliability import last, logged_step, metric_rows
+from exact_runs import last, logged_step, metric_rows
 from test_slurm import SRUN_TASK_9
 
 # What Open MPI's mpirun sets for rank 1 of `mpirun -n 4` on one machine.

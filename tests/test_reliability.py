@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,84 +19,18 @@ from app.parallel.plans import free_port
 from app.runtime.liveness import descendants
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
-from conftest import REPO, read_line_with, read_started_line, run_driver, skipped_rows, worker_pids
+from conftest import REPO, read_line_with, run_driver, skipped_rows
+from exact_runs import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver, kill_worker_after,
+                        last, logged_step, metric_rows, stop_with_sigterm_after)
 
-CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
-# Deterministic on CPU; BatchNorm on purpose: each replica's running statistics must survive.
-# 5 classes: 160 train images, global batch 8: 20 steps per epoch.
-EXACT = ("-a", "test_resnet", "--classes", "5", "--image-size", "32", "-j", "0", "--lr", "0.2",
-         "--warmup-epochs", "0.5", "--epochs", "2", "-p", "1")
-SPLITS = {"1 worker": ("-b", "8"),
-          "2 workers ps": ("-b", "4", "--devices", "cpu,cpu", "--sync", "ps"),
-          "2 workers allreduce": ("-b", "4", "--devices", "cpu,cpu", "--sync", "allreduce"),
-          # 2 micro-batches of 2 per optimizer step: a SIGTERM mid-step saves after the step
-          "2 workers allreduce accumulating": ("-b", "2", "--accum-steps", "2", "--devices",
-                                               "cpu,cpu", "--sync", "allreduce"),
-          # the recipe knobs: per-image ops, per-batch mixing and erasing, and the EMA, whose
-          # BatchNorm statistics differ per replica until the epoch's end (no warmup: the EMA
-          # averages from the first update on, alpha = 0.025 x 8 x 3 / 2 = 0.3)
-          "2 workers ps recipe": ("-b", "4", "--devices", "cpu,cpu", "--sync", "ps",
-                                  "--auto-augment", "ta_wide", "--mixup-alpha", "0.2",
-                                  "--cutmix-alpha", "1.0", "--random-erase", "0.25",
-                                  "--label-smoothing", "0.1", "--warmup-epochs", "0",
-                                  "--model-ema", "--model-ema-steps", "3",
-                                  "--model-ema-decay", "0.975"),
-          # decoded and augmented in the training process (nvJPEG's path; libjpeg-turbo on a
-          # CPU), the bytes read by a loader process
-          "1 worker nvjpeg": ("-b", "8", "-j", "1", "--decoder", "nvjpeg", "--auto-augment",
-                              "ta_wide")}
 # One machine, two ranks, restarted once: what a user types, with a free port for the store.
 TORCHRUN = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--max-restarts", "1", "--rdzv-backend", "c10d")
 
 
-def last(run_dir):
-    return checkpoint.load(run_dir / "checkpoints" / "last.pt")
-
-
-def metric_rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
-
-
-def logged_step(run_dir, step: int) -> bool:
-    """Whether the run in `run_dir` has logged step `step` (or a later one) yet."""
-    return any(r["step"] >= step for r in metric_rows(run_dir))
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """straight(split): the last checkpoint of an uninterrupted run of that split, run once
-    per module when first asked for: what every interrupted run must end with."""
-    cwd = tmp_path_factory.mktemp("straight")
-    ends = {}
-
-    def end_of(split: str) -> dict:
-        if split not in ends:
-            name = split.replace(" ", "-")
-            result = run_driver(*CATALOG, *EXACT, *SPLITS[split], "--run-name", name, cwd=cwd)
-            assert result.returncode == 0, result.stderr
-            ends[split] = last(cwd / "runs" / name)
-        return ends[split]
-    return end_of
-
-
-def assert_bit_identical(a: dict, b: dict, end: tuple[int, int] = (2, 40)) -> None:
-    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == end
-    for key in a["model"]:  # weights and BatchNorm statistics
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for key, state in a["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
-    assert (a.get("ema") is None) == (b.get("ema") is None)
-    if a.get("ema"):
-        assert a["ema"]["updates"] == b["ema"]["updates"]
-        for key in a["ema"]["model"]:
-            assert torch.equal(a["ema"]["model"][key], b["ema"]["model"][key]), key
-
-
 def start_until_step(cwd, command: list[str], step: int) -> subprocess.Popen:
-    """Start `command` (the driver, or torchrun around it) for run "cut"; return once it has
-    logged step `step`."""
+    """Start `command` (torchrun around the driver) for run "cut"; return once it has logged
+    step `step`."""
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -105,36 +38,6 @@ def start_until_step(cwd, command: list[str], step: int) -> subprocess.Popen:
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.05)
     return process
-
-
-def driver(*args: str) -> list[str]:
-    return [sys.executable, str(REPO / "bin" / "driver.py"), *args]
-
-
-def stop_with_sigterm_after(cwd, args, step: int) -> tuple[int, str]:
-    """The driver with `args` (run "cut") in this process (`run_driver`: its workers come
-    from the session's forkserver, which imported torch once), sent SIGTERM once step `step`
-    is logged, as a scheduler sends it to a driver: its exit code and stderr."""
-    ended = threading.Event()
-    signaller = threading.Thread(target=sigterm_at_step, daemon=True,
-                                 args=(cwd / "runs" / "cut", step, ended))
-    signaller.start()
-    try:
-        result = run_driver(*args, cwd=cwd)
-    finally:
-        ended.set()
-        signaller.join()
-    return result.returncode, result.stderr
-
-
-def sigterm_at_step(run_dir, step: int, ended: threading.Event) -> None:
-    """SIGTERM to this process's main thread, where the driver's handler runs (to the thread,
-    so that a wait it is in is interrupted at once), once `run_dir` logged step `step`; nothing
-    if the run ends first."""
-    while not ended.wait(0.05):
-        if logged_step(run_dir, step):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
-            return
 
 
 @pytest.mark.parametrize("split", ["1 worker", "2 workers ps",
@@ -167,9 +70,8 @@ def test_sigterm_mid_epoch_then_resume_ends_bit_identical(straight, tmp_path, sp
 def test_max_restarts_replaces_a_killed_worker_and_the_run_ends_bit_identical(
         straight, tmp_path, split, victim):
     flags = (*CATALOG, *EXACT, *SPLITS[split], "--max-restarts", "1", "--run-name", "cut")
-    process = start_until_step(tmp_path, driver(*flags), step=23)
-    os.kill(worker_pids(read_started_line(process))[victim], signal.SIGKILL)
-    code, stderr = process.wait(timeout=120), process.stderr.read()
+    result = kill_worker_after(tmp_path, flags, step=23, victim=victim)
+    code, stderr = result.returncode, result.stderr
     assert code == 0, stderr
     assert f"error: {victim} was killed by SIGKILL" in stderr
     assert ("restart 1 of 1 in 1 s, from runs/cut/checkpoints/last.pt after step 20 (0 steps "

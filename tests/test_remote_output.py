@@ -23,8 +23,7 @@ from app.runtime import moments
 from app.runtime.liveness import descendants, is_alive
 from conftest import held_pid, read_line_with, run_driver, run_tool, write_catalog
 from s3 import SECRET_KEY, FaultyProxy
-from test_reliability import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver,  # noqa: F401
-                              metric_rows, straight)
+from exact_runs import CATALOG, EXACT, SPLITS, assert_bit_identical, driver, metric_rows
 
 ONE_WORKER = (*EXACT, *SPLITS["1 worker"])  # 20 steps an epoch, 2 epochs
 

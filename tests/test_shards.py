@@ -35,7 +35,7 @@ from app.training import preflight
 from conftest import run_driver, skipped_rows, write_catalog
 from s3 import FaultyProxy
 from shard_copies import PARQUET_SCHEMA, rows, write_parquet, write_wds
-from test_reliability import assert_bit_identical, last, stop_with_sigterm_after
+from exact_runs import assert_bit_identical, last, stop_with_sigterm_after
 
 CORRUPT = 85  # the 86th train sample in the copies' order: sample 5 of train shard 1
 # all 10 classes: 320 images, global batch 32 (SPLITS): 10 steps

@@ -27,7 +27,7 @@ from app.runtime.errors import UserError
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, Action, AgreedRequests
 from app.runtime.slurm import expand_counts, expand_hostlist
 from conftest import REPO, run_driver
-from test_reliability import CATALOG, EXACT, assert_bit_identical, last, metric_rows
+from exact_runs import CATALOG, EXACT, assert_bit_identical, last, metric_rows
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -281,32 +281,12 @@ class Step:
 SRUN_FLAGS = (*CATALOG, *EXACT, "-b", "4", "--device", "cpu", "--sync", "allreduce")
 
 
-@pytest.fixture(scope="module")
-def drivers_own(tmp_path_factory):
-    """The driver's own two all-reduce workers with the same global batch (2 x 4): where the
-    srun tasks must end."""
-    cwd = tmp_path_factory.mktemp("drivers-own")
-    result = run_driver(*CATALOG, *EXACT, "-b", "4", "--devices", "cpu,cpu", "--sync",
-                        "allreduce", "--run-name", "own", cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return last(cwd / "runs" / "own")
-
-
-def test_srun_tasks_train_like_the_drivers_own_workers(drivers_own, tmp_path):
-    job_id = free_job_id()
-    step = Step(tmp_path, job_id, *SRUN_FLAGS)  # no --run-name: the job names the run
-    assert step.wait(timeout=240) == [0, 0], step.stderr(0)[-3000:] + step.stderr(1)[-3000:]
-    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    assert_bit_identical(drivers_own, last(run_dir))
-    rows = metric_rows(run_dir)
-    assert [r["epoch"] for r in rows if "val/top1" in r] == [1, 2]  # task 0 logged, once each
-    assert "Traceback" not in step.stderr(0) + step.stderr(1)
-
-
-def test_sigusr1_to_one_task_saves_then_the_requeued_job_resumes(drivers_own, tmp_path):
-    """The time-limit warning reaches one task: both tasks save at the same step and exit 75;
-    the job, requeued under the same id, continues with --resume auto and ends exactly where
-    an uninterrupted run does. (Loader processes: the test above.)"""
+def test_srun_tasks_train_like_the_drivers_own_workers_and_a_requeued_job_resumes(
+        straight, tmp_path):
+    """Two srun tasks, the run named by the job: the time-limit warning reaches one task, both
+    tasks save at the same step and exit 75; the job, requeued under the same id, continues
+    with --resume auto and ends exactly where the driver's own two workers end, never stopped,
+    each epoch logged once (by task 0). (Loader processes: the test above.)"""
     job_id = free_job_id()
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
     flags = (*SRUN_FLAGS, "--resume", "auto")  # the same command in the job and its requeue
@@ -323,15 +303,19 @@ def test_sigusr1_to_one_task_saves_then_the_requeued_job_resumes(drivers_own, tm
         step.kill()
     assert codes == [PREEMPTED_EXIT_CODE] * 2, step.stderr(0)[-3000:] + step.stderr(1)[-3000:]
     assert f"--resume auto --run-name slurm-{job_id}" in step.stderr(0)
+    stopped_stderr = step.stderr(0) + step.stderr(1)
     cut = last(run_dir)
     assert cut["epoch"] < 2 and 0 < cut["epoch_step"] < 20  # stopped inside an epoch
     assert len(cut["replicas"]) == 2
 
     requeued = Step(tmp_path, job_id, *flags)
     assert requeued.wait(timeout=240) == [0, 0], requeued.stderr(0)[-3000:]
-    assert_bit_identical(drivers_own, last(run_dir))
-    steps = [r["step"] for r in metric_rows(run_dir) if "train/loss" in r]
+    assert_bit_identical(straight("2 workers allreduce"), last(run_dir))
+    rows = metric_rows(run_dir)
+    steps = [r["step"] for r in rows if "train/loss" in r]
     assert steps[-1] == 40 and steps.count(cut["step"] + 1) == 1  # went on, nothing repeated
+    assert [r["epoch"] for r in rows if "val/top1" in r] == [1, 2]
+    assert "Traceback" not in stopped_stderr + requeued.stderr(0) + requeued.stderr(1)
 
 
 def test_gpus_inside_an_srun_task_is_a_one_line_error(tmp_path):

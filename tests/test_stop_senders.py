@@ -20,8 +20,7 @@ from app.catalog.remote_run import staging_folder
 from app.parallel.plans import free_port
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from conftest import REPO, run_driver
-from test_reliability import CATALOG, EXACT, SPLITS, assert_bit_identical, driver
-from test_reliability import straight  # noqa: F401 (a fixture: the runs never stopped)
+from exact_runs import CATALOG, EXACT, SPLITS, assert_bit_identical, driver
 from test_remote_output import as_checkpoint, bucket_files, new_bucket, wait_for_step
 
 

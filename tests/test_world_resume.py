@@ -30,7 +30,7 @@ from app.training.sample_log import records, trained_samples
 from app.training.trainer import Trainer, train_worker
 from conftest import REPO, run_driver
 from test_parallel import relative_difference
-from test_reliability import CATALOG, last, metric_rows, stop_with_sigterm_after
+from exact_runs import CATALOG, last, metric_rows, stop_with_sigterm_after
 from training import train_in_process
 
 
