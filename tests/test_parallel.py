@@ -271,7 +271,7 @@ def test_torchrun_needs_a_run_name(tmp_path):
     assert result.returncode == 2 and "under torchrun pass --run-name" in result.stderr
 
 
-def test_two_workers_clip_the_averaged_gradients_as_one_worker(tmp_path):
+def test_two_workers_clip_the_averaged_gradients_as_one_worker(one_worker_reference, tmp_path):
     """Clipping acts on the averaged gradients: two workers stay identical to each other
     (--check-every 1) and to one worker with the same global batch."""
     flags = (*CATALOG, *EXACT, "--clip-grad-norm", "0.05")
@@ -282,7 +282,4 @@ def test_two_workers_clip_the_averaged_gradients_as_one_worker(tmp_path):
     assert two.returncode == 0, two.stderr
     a, b = weights(tmp_path / "runs" / "one"), weights(tmp_path / "runs" / "two")
     assert relative_difference(a["model"], b["model"]) < 1e-9
-    unclipped = run_driver(*CATALOG, *EXACT, "-b", "10", "--run-name", "plain", cwd=tmp_path)
-    assert unclipped.returncode == 0, unclipped.stderr
-    plain = weights(tmp_path / "runs" / "plain")
-    assert relative_difference(a["model"], plain["model"]) > 1e-3  # the clip did act
+    assert relative_difference(a["model"], one_worker_reference["model"]) > 1e-3  # it clipped
