@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from app.data.device import ToDevice
 from app.data.pipeline import InputFormat
+from app.runtime.private_api import cpu_computes_bf16
+from app.training import precision as precision_module
 from app.training.precision import Precision
 
 
@@ -12,10 +16,30 @@ def test_cuda_defaults_to_bf16_and_channels_last():
     assert precision.grad_scaler() is None or not torch.cuda.is_available()
 
 
-def test_cpu_defaults_to_full_precision_without_channels_last():
+def cpuinfo_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(next(l for l in text.splitlines() if l.startswith("flags")).split(":")[1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_bf16_instructions_are_found_as_the_kernel_lists_them():
+    flags = cpuinfo_flags()
+    assert cpu_computes_bf16() == bool({"avx512_bf16", "amx_tile"} & flags)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_a_cpu_defaults_to_bf16_in_channels_last_only_where_it_computes_bf16(
+        monkeypatch, native_bf16):
+    monkeypatch.setattr(precision_module, "cpu_computes_bf16", lambda: native_bf16)
     precision = Precision.from_config("auto", True, "cpu")
-    assert precision.autocast_dtype is None and not precision.channels_last
-    assert precision.grad_scaler() is None
+    assert precision.autocast_dtype is (torch.bfloat16 if native_bf16 else None)
+    assert precision.channels_last is native_bf16 and precision.grad_scaler() is None
+    full = Precision.from_config("off", True, "cpu")  # asked for: fp32, where copies only cost
+    assert full.autocast_dtype is None and not full.channels_last
+    model = precision.prepare_model(torch.nn.Conv2d(3, 8, 3))
+    with precision.autocast():
+        out = model(torch.rand(2, 3, 8, 8))
+    assert out.dtype is (torch.bfloat16 if native_bf16 else torch.float32)
 
 
 def test_fp16_uses_loss_scaling():

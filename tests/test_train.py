@@ -297,7 +297,8 @@ def first_mixed_step(trainer):
 def test_mixed_targets_meet_label_smoothing_as_in_torchvision_without_host_syncs(tmp_path):
     job = train_in_process(tmp_path, "--epochs", "1", "--run-name", "mix", "--classes", "5",
                            "--random-erase", "0.5", "--mixup-alpha", "1.0", "--cutmix-alpha",
-                           "1.0", "--label-smoothing", "0.1")
+                           "1.0", "--label-smoothing", "0.1",
+                           "--amp", "off")  # fp32, as `expected` is computed
     trainer = Trainer(job, WorkerEnv(), LocalSync())
     try:
         batches, batch, inputs, lam, model = first_mixed_step(trainer)
@@ -360,7 +361,8 @@ def test_bce_loss_trains_a_mixed_batch_as_timm_would_without_host_syncs(tmp_path
     on timm's Mixup targets (smoothed rows, mixed), and the step never asks the host."""
     job = train_in_process(tmp_path, "--epochs", "1", "--run-name", "bce", "--classes", "5",
                            "--mixup-alpha", "1.0", "--label-smoothing", "0.1", "--bce-loss",
-                           "--drop-path", "0.1", "--model-kwargs", "aa_layer=blurpool")
+                           "--drop-path", "0.1", "--model-kwargs", "aa_layer=blurpool",
+                           "--amp", "off")  # fp32, as `expected` is computed
     trainer = Trainer(job, WorkerEnv(), LocalSync())
     try:
         batches, batch, inputs, lam, model = first_mixed_step(trainer)

@@ -232,11 +232,13 @@ class TrainConfig:
     seed: int = param(0, "seed for weights, data order and augmentation")
     print_freq: int = param(10, "log train metrics every N steps", "-p", check=at_least(1))
     device: str = param("auto", "device: auto (cuda if present), cpu, cuda, cuda:N")
-    amp: str = param("auto", "mixed precision: auto = bf16 on CUDA, off on CPU; fp16 adds "
+    amp: str = param("auto", "mixed precision: auto = bf16 on CUDA and on a CPU with bf16 "
+                     "instructions (AVX512-BF16, AMX), off on other CPUs; fp16 adds "
                      "loss scaling, whose overflow check stays on the device (fused optimizer "
                      "step), so neither waits for the GPU each step",
                      choices=("auto", "bf16", "fp16", "off"))
-    channels_last: bool = param(True, "channels_last memory format on CUDA")
+    channels_last: bool = param(True, "channels_last memory format on CUDA, and with bf16 on a "
+                                "CPU")
     dtype: str = param("float32", "parameter dtype; float64 is for numerical checks",
                        choices=("float32", "float64"))
     compile: str = param("auto", "torch.compile the model: auto = on CUDA only (the first "

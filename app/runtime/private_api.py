@@ -140,3 +140,12 @@ def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (dynamo's own bookkeeping)."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
     return counters["stats"]["unique_graphs"]
+
+
+@functools.cache
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16, or AMX's tiles), where oneDNN runs
+    bf16 convolutions and matrix products natively; elsewhere it emulates them, slower than
+    fp32. torch.cpu names the checks only privately."""
+    import torch  # noqa: PLC0415
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

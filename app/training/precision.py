@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.runtime.private_api import cpu_computes_bf16
+
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 
 
@@ -21,10 +23,14 @@ class Precision:
                     ) -> "Precision":
         device = torch.device(device)
         on_cuda = device.type == "cuda"
-        if amp == "auto":
-            amp = "bf16" if on_cuda else "off"
-        # channels_last pays on CUDA tensor cores; on CPU it only adds copies.
-        return cls(device, AMP_DTYPES[amp], channels_last and on_cuda, getattr(torch, dtype))
+        if amp == "auto":  # bf16 where the device computes it natively: ~1.4x fp32's steps on
+            # a CPU with bf16 instructions (docs/benchmarks.md), slower than fp32 on one without
+            amp = "bf16" if on_cuda or cpu_computes_bf16() else "off"
+        # channels_last pays on CUDA tensor cores and with bf16 on a CPU (oneDNN's blocked
+        # kernels); in fp32 on a CPU it only adds copies.
+        autocast_dtype = AMP_DTYPES[amp]
+        channels_last = channels_last and (on_cuda or autocast_dtype is torch.bfloat16)
+        return cls(device, autocast_dtype, channels_last, getattr(torch, dtype))
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype,
