@@ -273,6 +273,25 @@ def test_peers_give_timm_our_recipe_the_same_lr_at_every_step(tmp_path):
         "sgd", "0.9", "5e-05", "0.1")
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_peers_give_timm_our_precision_on_a_cpu(tmp_path, monkeypatch, native_bf16):
+    """--peer-recipe ours on a CPU: train.py computes in bf16 and channels_last exactly where
+    ours does (a CPU with bf16 instructions); with its own recipe, in its default fp32."""
+    from app.bench.peers import Setup, timm_command
+    from app.training import precision
+
+    monkeypatch.setattr(precision, "cpu_computes_bf16", lambda: native_bf16)
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    commands = {recipe: timm_command(Setup("datasets.toml", "imagenette_local",
+                                           "configs/imagenette_cpu.toml", "resnet18", 64, 64, 5,
+                                           2, "train.py", peer_recipe=recipe),
+                                     0, tmp_path / "out", tmp_path)
+                for recipe in ("ours", "own")}
+    ours = " ".join(commands["ours"])
+    assert ("--amp --amp-dtype bfloat16" in ours, "--channels-last" in ours) == (native_bf16,) * 2
+    assert "--amp" not in commands["own"] and "--channels-last" not in commands["own"]
+
+
 def test_upload_lag_bench_times_a_save_to_the_buckets_last_pt(tmp_path):
     """A 2 MB checkpoint through the real upload process to moto_server, idle and beside one
     load process: the bucket's last.pt holds each save's bytes, each lag covers the uploader's

@@ -89,11 +89,14 @@ def timm_recipe_flags(setup: Setup) -> tuple[str, ...]:
     linear down to zero at the last) is train.py's `poly` schedule of power 1 after a warmup
     prefix of the peak's epochs (a prefix adds its epochs to --epochs, hence the difference),
     stepped per update; timm's `sgd` is Nesterov's and keeps norms and biases out of the
-    decay, as ours; its LR is absolute (ours is per 256 images); no colour jitter, as ours.
-    Progressive resizing has no train.py flag: a recipe with it is refused."""
+    decay, as ours; its LR is absolute (ours is per 256 images); no colour jitter, as ours;
+    on a CPU, our precision (bf16 in channels_last where the CPU computes bf16; on a GPU
+    timm_command gives it AMP). Progressive resizing has no train.py flag: a recipe with it is
+    refused."""
     from app.config.sources import file_overrides, make_config  # noqa: PLC0415
     from app.data.resolution import DEFAULT_CROP_FRACTION  # noqa: PLC0415
     config = make_config(file_overrides(str(REPO / setup.config)))
+    precision = () if setup.device.startswith("cuda") else cpu_precision_flags(config.train)
     optim, data = config.optim, config.data
     peak = round(optim.lr_peak_epoch)
     crop = data.val_crop_size or setup.image_size
@@ -110,7 +113,18 @@ def timm_recipe_flags(setup: Setup) -> tuple[str, ...]:
             "--weight-decay", f"{optim.weight_decay:g}",
             "--smoothing", f"{optim.label_smoothing:g}", "--color-jitter", "0",
             # our val centre crop's share of the resized side (timm's resnet18 default: 0.95)
-            "--crop-pct", f"{crop / (data.val_resize_size or crop / DEFAULT_CROP_FRACTION):.4f}")
+            "--crop-pct", f"{crop / (data.val_resize_size or crop / DEFAULT_CROP_FRACTION):.4f}",
+            *precision)
+
+
+def cpu_precision_flags(train) -> tuple[str, ...]:
+    """What our config's precision (`amp`, `channels_last`) is on this CPU, in train.py's flags."""
+    import torch  # noqa: PLC0415
+
+    from app.training.precision import Precision  # noqa: PLC0415
+    ours = Precision.from_config(train.amp, train.channels_last, "cpu")
+    bf16 = ("--amp", "--amp-dtype", "bfloat16") if ours.autocast_dtype is torch.bfloat16 else ()
+    return (*bf16, *(("--channels-last",) if ours.channels_last else ()))
 
 
 def peer_arch(setup: Setup) -> str:
