@@ -142,13 +142,15 @@ def test_auto_augment_flags_have_torchvisions_names_in_the_augment_section(tmp_p
 
 def test_the_imagenette_rows_cpu_config_is_its_gpu_configs_twin():
     """configs/imagenette_128_5_cpu.toml promises the GPU config's recipe with only what a
-    CPU needs changed (loader processes, the console's print rate): a recipe change made to
-    one file and not the other would make the CPU's measured top-1 a figure of another recipe."""
+    CPU needs changed (loader processes, the console's print rate, fp32 as its runs were
+    measured): a recipe change made to one file and not the other would make the CPU's
+    measured top-1 a figure of another recipe."""
     gpu, cpu = (
         tomllib.loads(dump_toml(parse_config(["--config", str(REPO / "configs" / name)])[0]))
         for name in ("imagenette_128_5.toml", "imagenette_128_5_cpu.toml"))
     differing = {(section, key) for section in gpu for key in gpu[section]
                  if gpu[section][key] != cpu[section][key]}
-    assert differing == {("data", "workers"), ("train", "print_freq")}
+    assert differing == {("data", "workers"), ("train", "print_freq"), ("train", "amp")}
+    assert (gpu["train"]["amp"], cpu["train"]["amp"]) == ("auto", "off")
     assert (gpu["model"]["arch"], gpu["optim"]["optimizer"], gpu["train"]["batch_size"]) == (
         "xse_resnext_mini", "ranger", 32)
