@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(config, items):
 
 # What starts a driver or bench process: tens of seconds each on a GPU machine (imports, CUDA,
 # workers), where a test that stays in its own process takes seconds.
-PROCESS_STARTS = ("run_driver(", "stop_with_sigterm_after(", "kill_worker_after(", "start_until_step(",
-                  "bench(")
+PROCESS_STARTS = ("run_driver(", "stop_with_sigterm_after(", "kill_worker_after(",
+                  "start_until_step(", "bench(")
 
 
 def processes_started(item) -> int:
