@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu bench clean peer-fastai
 
 setup: $(VENV)/.installed
 
@@ -36,12 +36,25 @@ print(" ".join(f"{flags[key]} {shlex.quote(value)}" for key in flags for value i
 endef
 export PIP_SOURCES_AS_UV_FLAGS
 
+# fastai, for `bin/bench.py peers --trainers fastai`: in a folder of its own that only its
+# runs put on their path, never in the product's venv. uv resolves nothing (--no-deps): the
+# file pins what fastai's vision training imports beyond the venv's packages.
+FASTAI_SITE := .peers/fastai
+peer-fastai: $(FASTAI_SITE)/.installed
+
+$(FASTAI_SITE)/.installed: requirements-fastai.txt $(VENV)/.installed
+	rm -rf $(FASTAI_SITE)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --target $(FASTAI_SITE) --no-deps \
+		--index-strategy unsafe-best-match --compile-bytecode \
+		$$($(PY) -c "$$PIP_SOURCES_AS_UV_FLAGS") -r requirements-fastai.txt
+	touch $@
+
 demo: setup
 	$(PY) bin/driver.py --config configs/demo.toml
 
 # The suite starts hundreds of Python processes; where PYTHONDONTWRITEBYTECODE is set (CI
 # images often do) each would compile app/ anew: compiled once here instead.
-test: setup
+test: setup peer-fastai
 	$(PY) -m compileall -q -j 0 app bin
 	$(PY) -m pytest -n 2 --dist loadfile
 

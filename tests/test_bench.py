@@ -218,6 +218,41 @@ def test_peers_bench_runs_each_trainer_per_seed_on_the_same_folder(tmp_path, tin
     assert "examples" in result.stdout  # the table, printed
 
 
+def test_peers_bench_runs_the_holders_fastai_code_beside_ours(tmp_path, tiny_imagefolder):
+    """The Imagenette row's command (`--trainers ours,fastai` with the row's config and net)
+    rehearsed on the tiny sample for one epoch each: every field of each run's record, and the
+    batch each trainer kept: fastai drops the last partial batch (320 // 24 batches of 24),
+    ours trains every image."""
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(f'[datasets.folder]\nurl = "{tiny_imagefolder}"\nlayout = "imagefolder"\n')
+    report = tmp_path / "peers.json"
+    result = bench("peers", "--catalog", str(catalog), "--dataset", "folder", "--trainers",
+                   "ours,fastai", "--config", "configs/imagenette_128_5_cpu.toml", "-a",
+                   "xse_resnext_mini", "--seeds", "3", "--epochs", "1", "--image-size", "32",
+                   "-b", "24", "-j", "1", "--ours-args", "--val-resize-size 32 --val-crop-size 32",
+                   "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    runs = {run["trainer"]: run for run in data["runs"]}
+    assert [run["trainer"] for run in data["runs"]] == ["ours", "fastai"]
+    assert runs["ours"]["train_images"] == 320 and runs["fastai"]["train_images"] == 13 * 24
+    assert "app.bench.peer_fastai" in runs["fastai"]["command"]
+    assert "--seed 3" in runs["fastai"]["command"] and "--bs 24" in runs["fastai"]["command"]
+    assert runs["ours"]["command"].endswith("--val-resize-size 32 --val-crop-size 32")
+    for run in runs.values():
+        assert run["seed"] == 3 and len(run["epoch_top1"]) == 1
+        assert 0 <= run["top1"] == run["epoch_top1"][-1] <= 1
+        assert 0 < run["train_images_per_s"] and 0 < run["wall_s"]
+        assert run["train_images"] / run["train_images_per_s"] < run["wall_s"]
+        assert run["cpu_s"] > 1  # at least the imports of the trainer's process
+    assert data["machine"]["cores"] >= 1 and data["machine"]["torch"]
+    summary = data["summary"]
+    assert summary["fastai"]["wall_vs_first"] == summary["fastai"]["wall_s_mean"] / \
+        summary["ours"]["wall_s_mean"]
+    assert summary["ours"]["top1_sem"] is None  # one seed: no spread to estimate it from
+    assert "fastai" in result.stdout  # the table, printed
+
+
 def test_peers_bench_needs_timms_train_py_for_timm():
     result = bench("peers", "--trainers", "ours,timm")
     assert result.returncode == 2 and "--timm-train" in result.stderr

@@ -1,16 +1,23 @@
-"""`bin/bench.py peers`: one training by three trainers on the same photos and machine: ours
+"""`bin/bench.py peers`: one training by several trainers on the same photos and machine: ours
 (bin/driver.py with a recipe config), pytorch/examples' imagenet/main.py recipe
-(app/bench/peer_main.py) and timm's train.py from a pytorch-image-models checkout (not part of
+(app/bench/peer_main.py), timm's train.py from a pytorch-image-models checkout (not part of
 the timm package), with its own defaults or, with `--peer-recipe ours`, our config's recipe in
-its flags (timm_recipe_flags). Same model, epochs, batch size, image size and loader processes;
-the rest is each trainer's own, as its users run it. The runs are interleaved by seed so that a
-change in the machine's load meets all three. With `--target`, also the time to the end of the
-first epoch that reaches it (timm's summary.csv stamps no epoch: only its last one's is known)."""
+its flags (timm_recipe_flags), and fastai running the Imagenette 128 px / 5-epoch row's
+holder's recipe (app/bench/peer_fastai.py; `make peer-fastai` installs fastai). Same epochs,
+batch size, image size and loader processes; the rest is each trainer's own, as its users run
+it. The runs are interleaved by seed so that a change in the machine's load meets them all.
+Each run records its command, per-epoch top-1, wall and CPU time and, where the trainer says,
+the images/s of its training steps. With `--target`, also the time to the end of the first
+epoch that reaches it (timm's summary.csv stamps no epoch: only its last one's is known)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import platform
+import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -21,8 +28,10 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINERS = ("ours", "examples", "timm")
+TRAINERS = ("ours", "examples", "timm", "fastai")
 RUN_TIMEOUT_S = 4 * 3600.0
+# where `make peer-fastai` installs fastai and what it needs beyond the training dependencies
+FASTAI_SITE = REPO / ".peers" / "fastai"
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Setup:
     device: str = "cpu"  # or cuda: one GPU each
     peer_arch: str = ""  # the peers' model where ours is one torchvision lacks (resnet50d)
     peer_recipe: str = "own"  # "ours": timm's train.py runs our config's recipe
+    ours_args: str = ""  # more of the driver's flags for ours (a variant of the recipe)
 
 
 def imagefolder_root(setup: Setup) -> Path:
@@ -57,7 +67,7 @@ def ours_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
             "--image-size", str(setup.image_size), "-b", str(setup.batch_size),
             "--epochs", str(setup.epochs), "-j", str(setup.workers), "--seed", str(seed),
             "--device", setup.device, "--output-dir", str(out), "--run-name", "peers",
-            "-p", "50"]
+            "-p", "50", *shlex.split(setup.ours_args)]
 
 
 def examples_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
@@ -79,6 +89,22 @@ def timm_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
             # on a GPU, what timm's README runs: its CUDA prefetcher, AMP, channels_last
             *(("--device", "cuda", "--amp", "--channels-last") if setup.device.startswith("cuda")
               else ("--device", "cpu", "--no-prefetcher"))]
+
+
+def fastai_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
+    """The holder's recipe at the setup's size, batch, epochs and loader processes (its LR and
+    weight decay are the notebook's: 1e-2 at batch 32, 1e-4); fastai on the path (fastai_env)."""
+    return [sys.executable, "-m", "app.bench.peer_fastai", str(root), "--size",
+            str(setup.image_size), "--bs", str(setup.batch_size), "--epochs", str(setup.epochs),
+            "--workers", str(setup.workers), "--seed", str(seed)]
+
+
+def fastai_env() -> dict[str, str]:
+    if not (FASTAI_SITE / "fastai").is_dir():
+        raise SystemExit(f"peers: fastai is not installed in {FASTAI_SITE}: run "
+                         "`make peer-fastai` first")
+    path = os.pathsep.join(filter(None, (str(FASTAI_SITE), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 RECIPES = {"own": "each its own default", "ours": "timm's train.py ours, main.py its own"}
@@ -136,32 +162,43 @@ def classes(root: Path) -> int:
     return sum(1 for folder in (root / "train").iterdir() if folder.is_dir())
 
 
-# Each trainer's epochs: [(top-1, wall-clock time at the epoch's end or None)], in order.
-def ours_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
+# Each trainer's epochs, in order: (top-1, wall-clock time at the epoch's end or None, images
+# trained and the seconds their steps took, or None where the trainer does not say).
+Epoch = tuple[float, float | None, tuple[int, float] | None]
+
+
+def ours_epochs(out: Path, stdout: str) -> list[Epoch]:
     records = [json.loads(line) for line in (out / "peers" / "metrics.jsonl").read_text()
                .splitlines() if '"val/top1"' in line]
-    return [(record["val/top1"], record["time"]) for record in records]
+    return [(record["val/top1"], record["time"],
+             (record["train/images"],
+              record["train/images"] / record["train/epoch_images_per_sec"]))
+            for record in records]
 
 
-def examples_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
+def printed_epochs(out: Path, stdout: str) -> list[Epoch]:
+    """main.py's and fastai's JSON lines (only fastai's say what the training steps took)."""
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"epoch"')]
-    return [(record["top1"], record["time"]) for record in records]
+    return [(record["top1"], record["time"], (record["train_images"], record["train_s"])
+             if "train_s" in record else None) for record in records]
 
 
-def timm_epochs(out: Path, stdout: str) -> list[tuple[float, float | None]]:
+def timm_epochs(out: Path, stdout: str) -> list[Epoch]:
     with open(out / "peers" / "summary.csv", newline="") as handle:  # train.py writes percent
-        return [(float(row["eval_top1"]) / 100, None) for row in csv.DictReader(handle)]
+        return [(float(row["eval_top1"]) / 100, None, None) for row in csv.DictReader(handle)]
 
 
 COMMANDS: dict[str, Callable[[Setup, int, Path, Path], list[str]]] = {
-    "ours": ours_command, "examples": examples_command, "timm": timm_command}
-EPOCHS: dict[str, Callable[[Path, str], list[tuple[float, float | None]]]] = {
-    "ours": ours_epochs, "examples": examples_epochs, "timm": timm_epochs}
+    "ours": ours_command, "examples": examples_command, "timm": timm_command,
+    "fastai": fastai_command}
+EPOCHS: dict[str, Callable[[Path, str], list[Epoch]]] = {
+    "ours": ours_epochs, "examples": printed_epochs, "timm": timm_epochs,
+    "fastai": printed_epochs}
 
 
-def time_to_target(epochs: list[tuple[float, float | None]], started: float, ended: float,
+def time_to_target(epochs: list[Epoch], started: float, ended: float,
                    target: float) -> float | None:
-    for number, (top1, stamp) in enumerate(epochs, 1):
+    for number, (top1, stamp, _) in enumerate(epochs, 1):
         if top1 >= target:
             if stamp is None:  # no stamps: known only for the last epoch
                 return ended - started if number == len(epochs) else None
@@ -173,18 +210,45 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
     with tempfile.TemporaryDirectory(prefix=f"peers-{trainer}-") as folder:
         out = Path(folder)
         command = COMMANDS[trainer](setup, seed, out, root)
+        env = fastai_env() if trainer == "fastai" else None
+        cpu_before = children_cpu_s()
         started = time.time()
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
                               timeout=RUN_TIMEOUT_S)
         ended = time.time()
         if done.returncode:
             raise RuntimeError(f"{trainer} (seed {seed}) failed with exit {done.returncode}: "
                                f"{done.stderr[-3000:]}")
         epochs = EPOCHS[trainer](out, done.stdout)
+        steps = [step for _, _, step in epochs]
         return {"trainer": trainer, "seed": seed, "top1": epochs[-1][0],
-                "wall_s": ended - started, "epoch_top1": [top1 for top1, _ in epochs],
+                "wall_s": ended - started, "cpu_s": children_cpu_s() - cpu_before,
+                "epoch_top1": [top1 for top1, _, _ in epochs],
+                "train_images": sum(images for images, _ in steps)
+                if None not in steps else None,
+                "train_images_per_s": sum(images for images, _ in steps) /
+                sum(seconds for _, seconds in steps) if None not in steps else None,
                 "time_to_target_s": time_to_target(epochs, started, ended, target)
-                if target else None}
+                if target else None,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+                "command": shlex.join(command)}
+
+
+def children_cpu_s() -> float:
+    """User and system CPU seconds of the finished child processes (and theirs) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine() -> dict:
+    """What the runs ran on: enough to tell two machines' figures apart."""
+    import torch  # noqa: PLC0415
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "system": platform.platform()}
 
 
 def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
@@ -198,8 +262,8 @@ def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
 
 
 def new_report(setup: Setup, root: Path, target: float) -> dict:
-    return {"setup": asdict(setup), "root": str(root), "target": target, "runs": [],
-            "summary": {}}
+    return {"setup": asdict(setup), "root": str(root), "target": target, "machine": machine(),
+            "runs": [], "summary": {}}
 
 
 def record(report: dict, result: dict, trainers: list[str],
@@ -219,9 +283,15 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
         if not mine:
             continue
         top1 = [run["top1"] for run in mine]
+        speeds = [run.get("train_images_per_s") for run in mine]
         summary[trainer] = {"seeds": len(mine), "top1_mean": statistics.fmean(top1),
                             "top1_min": min(top1), "top1_max": max(top1),
+                            # the mean's standard error, from the seeds' spread
+                            "top1_sem": statistics.stdev(top1) / len(top1) ** 0.5
+                            if len(top1) > 1 else None,
                             "wall_s_mean": statistics.fmean(run["wall_s"] for run in mine),
+                            "train_images_per_s_mean": statistics.fmean(speeds)
+                            if None not in speeds else None,
                             "runs_at_target": sum(run["time_to_target_s"] is not None
                                                   for run in mine),
                             "time_to_target_s_mean": statistics.fmean(
@@ -245,12 +315,14 @@ def format_report(report: dict) -> str:
              f"{setup['batch_size']}, -j {setup['workers']}, {report['root']}; the peers' "
              f"recipes: {RECIPES[setup.get('peer_recipe', 'own')]}",
              f"{'trainer':10s} {'seeds':>5s} {'top-1 mean':>10s} {'min-max':>15s} "
-             f"{'wall s':>8s} {'wall vs first':>14s}"
+             f"{'wall s':>8s} {'wall vs first':>14s} {'train img/s':>11s}"
              + (f" {'at target':>9s} {'time to it':>10s}" if report["target"] else "")]
     for trainer, row in report["summary"].items():
+        speed = row.get("train_images_per_s_mean")
         lines.append(f"{trainer:10s} {row['seeds']:5d} {row['top1_mean']:10.4f} "
                      f"{row['top1_min']:.4f}-{row['top1_max']:.4f} {row['wall_s_mean']:8.0f} "
-                     f"{row['wall_vs_first']:13.2f}x"
+                     f"{row['wall_vs_first']:13.2f}x "
+                     f"{f'{speed:.1f}' if speed is not None else '-':>11s}"
                      + (f" {row['runs_at_target']:9d} {reached(row):>10s}"
                         if report["target"] else ""))
     return "\n".join(lines)

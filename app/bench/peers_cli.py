@@ -12,8 +12,9 @@ from app.bench.peers import TRAINERS, Setup
 def add_peers(commands: argparse._SubParsersAction, shared: Callable[..., None]) -> None:
     """`shared`: cli.py's helper for the flags sub-commands share (cli.py imports this module)."""
     peers = commands.add_parser("peers", help="the same training by ours, pytorch/examples' "
-                                "main.py recipe and timm's train.py on the same photos: final "
-                                "top-1 and wall time per seed, mean and spread")
+                                "main.py recipe, timm's train.py and fastai (the Imagenette "
+                                "row's holder's recipe) on the same photos: top-1, wall time "
+                                "and train images/s per seed, mean and spread")
     shared(peers, catalog="datasets.toml", dataset=("imagenette_local", "an imagefolder entry "
                                                     "on local disk (the peers read its folders)"))
     peers.add_argument("--config", default="configs/imagenette_cpu.toml", help="our recipe")
@@ -36,6 +37,9 @@ def add_peers(commands: argparse._SubParsersAction, shared: Callable[..., None])
                        help="own: each peer runs its own default recipe (what its users get); "
                        "ours: timm's train.py runs our config's recipe (schedule, LR, "
                        "smoothing, decay, augmentation), so that only the trainer differs")
+    peers.add_argument("--ours-args", default="", help="more of the driver's flags for ours, "
+                       "in one string (a variant of the config's recipe, e.g. "
+                       "\"--mean 0,0,0 --std 1,1,1\")")
     peers.add_argument("--json", help="also write the report to this file, after each run")
 
 
@@ -51,5 +55,5 @@ def peers_run(args: argparse.Namespace, error: Callable[[str], None]
     setup = Setup(args.catalog, args.dataset, args.config, args.arch, args.image_size,
                   args.batch_size, args.epochs, args.workers,
                   str(Path(args.timm_train).resolve()) if args.timm_train else "", args.device,
-                  args.peer_arch, args.peer_recipe)
+                  args.peer_arch, args.peer_recipe, args.ours_args)
     return setup, trainers, [int(seed) for seed in args.seeds.split(",") if seed], args.target

@@ -11,6 +11,9 @@ from typing import Any, Callable
 
 Check = tuple[Callable[[Any], bool], str]  # (is the value allowed?, "must be ...")
 
+# the input's default statistics (of pixels in [0, 1]): ImageNet's train set's
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
 
 def at_least(low: float) -> Check:
     return (lambda v: v >= low, f"must be at least {low:g}")
@@ -81,6 +84,13 @@ class DataConfig:
         "image it can take, independent of the batch)", check=(lambda v: 0 <= v <= 1,
                                                                "must be in [0, 1]"))
     workers: int = param(4, "data loading processes per device", "-j", check=at_least(0))
+    mean: list[float] = param(list(IMAGENET_MEAN), "input normalisation: the R,G,B mean of "
+                              "pixels in [0, 1] (timm's --mean); 0,0,0 with --std 1,1,1: "
+                              "pixels in [0, 1], as fastai's plain Learner",
+                              check=(lambda v: len(v) == 3, "must be 3 numbers: R,G,B"))
+    std: list[float] = param(list(IMAGENET_STD), "input normalisation: the R,G,B standard "
+                             "deviation (timm's --std)", check=(lambda v: len(v) == 3 and min(
+                                 v) > 0, "must be 3 positive numbers: R,G,B"))
     max_bad_fraction: float = param(
         0.01, "stop when more than this share of an epoch's images cannot be read or decoded "
         "(they are skipped and listed in skipped.tsv)",

@@ -53,8 +53,13 @@ def _coerce(value: Any, kind: Any, where: str, choices: tuple | None) -> Any:
     elif typing.get_origin(kind) is list:
         if isinstance(value, str):
             value = [item.strip() for item in value.split(",") if item.strip()]
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise UserError(f"{where}: expected a list of strings, got {value!r}")
+        if not isinstance(value, list):
+            raise UserError(f"{where}: expected {_describe(kind)}, got {value!r}")
+        (item_kind,) = typing.get_args(kind)
+        try:
+            value = [_coerce(item, item_kind, where, None) for item in value]
+        except UserError:
+            raise UserError(f"{where}: expected {_describe(kind)}, got {value!r}") from None
     for item in (value if isinstance(value, list) else [value]) if choices else []:
         if item not in choices:
             raise UserError(f"{where}: must be one of {', '.join(choices)}, got {item!r}")
@@ -65,7 +70,9 @@ def _describe(kind: Any) -> str:
     names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
     if isinstance(kind, types.UnionType):
         return " or ".join(_describe(k) for k in typing.get_args(kind))
-    return names.get(kind, "a list of strings")
+    if typing.get_origin(kind) is list:
+        return {str: "a list of strings", float: "a list of numbers"}[typing.get_args(kind)[0]]
+    return names[kind]
 
 
 def file_overrides(path: str) -> dict[tuple[str, str], Any]:
@@ -120,7 +127,7 @@ def _flags(section: str, f: dataclasses.Field) -> tuple[str, ...]:
 def _default_text(f: dataclasses.Field) -> str:
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if isinstance(value, list):
-        return ",".join(value)
+        return ",".join(map(str, value))
     return repr(value) if value == "" else str(value)
 
 

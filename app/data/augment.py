@@ -12,11 +12,9 @@ import math
 import random
 from dataclasses import dataclass
 
+from app.config.schema import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (the default statistics)
 from app.data.auto_augment import Ops, Policy, policy
 from app.data.resolution import DEFAULT_CROP_FRACTION, TrainSizes
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 Box = tuple[int, int, int, int]  # top, left, height, width
 TRAIN_CROPS = ("random-resized", "shorter-side")  # the flag's choices

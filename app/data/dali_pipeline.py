@@ -21,7 +21,6 @@ import torch
 from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
-from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.dali_memory import decoder_memory, largest_image
 from app.data.dali_ops import augment
 from app.data.dali_source import BatchSource
@@ -124,7 +123,8 @@ class DaliPipeline:
             mirror = 0
         images = fn.crop_mirror_normalize(
             images, mirror=mirror, dtype=types.FLOAT, output_layout=self.layout(),
-            mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
+            mean=[m * 255 for m in self.spec.form.mean],
+            std=[s * 255 for s in self.spec.form.std])
         return images, labels.gpu() if on_gpu else labels, rows, reasons
 
     def layout(self) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.data.pipeline import InputFormat
 
 
@@ -26,7 +25,7 @@ class ToDevice:
     def __init__(self, form: InputFormat):
         self.form = form
         self.mean, self.std = (t.to(form.device) for t in
-                               pixel_statistics(IMAGENET_MEAN, IMAGENET_STD, form.dtype))
+                               pixel_statistics(form.mean, form.std, form.dtype))
         self.memory_format = torch.channels_last if form.channels_last else \
             torch.contiguous_format
 

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from app.catalog.storage import DatasetRoot
-from app.data.augment import Recipe
+from app.data.augment import IMAGENET_MEAN, IMAGENET_STD, Recipe
 from app.data.sampler import ShardedBatches
 
 
@@ -43,10 +43,13 @@ class DeviceBatch:
 
 @dataclass(frozen=True)
 class InputFormat:
-    """What the model wants its inputs to look like."""
+    """What the model wants its inputs to look like: where, in which dtype and memory format,
+    normalised by which per-channel statistics (of pixels in [0, 1])."""
     device: torch.device
     dtype: torch.dtype = torch.float32
     channels_last: bool = False
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
 
 
 @dataclass(frozen=True)

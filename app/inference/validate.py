@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from app.config.sources import parse_config
-from app.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from app.launch import remote_output, run
 from app.models import saved_weights
 from app.models.saved_weights import ModelSpec
@@ -20,13 +19,10 @@ from app.runtime.errors import UserError
 
 def driver_args(model: str, spec: ModelSpec) -> list[str]:
     """The driver's flags that evaluate `model` as it was evaluated in training."""
-    if (tuple(spec.mean), tuple(spec.std)) != (IMAGENET_MEAN, IMAGENET_STD):
-        raise UserError(f"{model} normalises with mean {list(spec.mean)} and std "
-                        f"{list(spec.std)}; the driver's pipelines use ImageNet's "
-                        "(use bin/predict.py for it)")
     args = ["-e", "--pretrained", model, "-a", spec.arch, "--norm", spec.norm,
             "--image-size", str(spec.crop), "--val-crop-size", str(spec.crop),
-            "--val-resize-size", str(spec.resize)]
+            "--val-resize-size", str(spec.resize), "--mean", ",".join(map(str, spec.mean)),
+            "--std", ",".join(map(str, spec.std))]
     if spec.model_kwargs:
         args += ["--model-kwargs", ",".join(spec.model_kwargs)]
     if spec.selection and spec.selection != "0":

@@ -98,7 +98,8 @@ def spec_of_checkpoint(payload: dict) -> ModelSpec:
         ",".join(classes) if isinstance(classes, list) else str(classes))
     return ModelSpec(payload["arch"], payload["num_classes"], model.get("norm", "batch"),
                      tuple(model.get("model_kwargs") or ()), sizes.val_crop,
-                     sizes.val_crop_fraction, class_names=names,
+                     sizes.val_crop_fraction, tuple(data.get("mean") or IMAGENET_MEAN),
+                     tuple(data.get("std") or IMAGENET_STD), class_names=names,
                      class_words=tuple(payload.get("class_words") or ()), selection=selection)
 
 

@@ -17,7 +17,8 @@ def build_pipelines(job: TrainJob, env: WorkerEnv, precision: Precision
                     ) -> tuple[InputPipeline, InputPipeline]:
     """This worker's train and val pipelines, with the decoder the config names."""
     config = job.config
-    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last)
+    form = InputFormat(precision.device, precision.input_dtype, precision.channels_last,
+                       tuple(config.data.mean), tuple(config.data.std))
     batch_size, workers = config.train.batch_size, config.data.workers
     augment = config.augment  # --ra-reps counts only with --ra-sampler, as in torchvision
     repetitions = augment.ra_reps if augment.ra_sampler else 1
