@@ -12,13 +12,12 @@ from PIL import Image
 from app.catalog import tables
 from app.catalog.storage import DatasetRoot
 from app.catalog.tables import load_tables
-from app.data.augment import EvalRecipe, TrainRecipe
+from app.data.augment import IMAGENET_STD, EvalRecipe, TrainRecipe
 from app.data.auto_augment import WIDE_SPACE
 from app.data.decoders import build_pipeline
 from app.data.pipeline import InputFormat, PipelineSpec
 from app.data.sampler import ShardedBatches
 
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # normalised -> pixels
 
 
 def spec_for(root, frame, recipe, batches, workers=1, form=None) -> PipelineSpec:
@@ -34,9 +33,10 @@ def batches_of(decoder, spec, epoch, start_step) -> list:
         pipeline.close()
 
 
-def level_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def level_difference(a: torch.Tensor, b: torch.Tensor,
+                     std: tuple[float, ...] = IMAGENET_STD) -> torch.Tensor:
     """|a - b| of two normalised batches, per value, in levels of 255."""
-    return ((a - b) * STD.to(a.device)).abs()
+    return ((a - b) * torch.tensor(std, device=a.device).view(1, 3, 1, 1) * 255).abs()
 
 
 def equalized(root, frame, spec, epoch, step) -> torch.Tensor:
@@ -48,17 +48,18 @@ def equalized(root, frame, spec, epoch, step) -> torch.Tensor:
                          for (_, seed), (w, h) in zip(items, sizes)])
 
 
-def assert_pillows_batches(decoder: str, sample: Path, split: str, auto_augment: str) -> None:
+def assert_pillows_batches(decoder: str, sample: Path, split: str, auto_augment: str,
+                           form: InputFormat | None = None) -> None:
     """Epoch 2 from step 1 on, whole (so the sample's CMYK, grey and PNG-named-.JPEG files are
     among them), through `decoder` and through Pillow: the same images and labels in the same
     order, as float32 in the model's layout, pixels within the DALI tests' tolerance (1.0 of
     255 on average over a batch; 3.0 on an image, 6.0 with auto-augment), images that get
-    Equalize left out."""
+    Equalize left out. `form`: other normalisation statistics than ImageNet's."""
     root = DatasetRoot("tiny", str(sample))
     frame = getattr(load_tables(root), split)
     recipe = TrainRecipe(32, auto_augment=auto_augment) if split == "train" else EvalRecipe(32)
     spec = spec_for(root, frame, recipe, ShardedBatches(len(frame), 24, seed=1,
-                                                        shuffle=split == "train"))
+                                                        shuffle=split == "train"), form=form)
     pillow = batches_of("pillow", spec, epoch=2, start_step=1)
     ours = batches_of(decoder, spec, epoch=2, start_step=1)
     assert len(ours) == len(pillow) == spec.batches.steps_per_epoch() - 1
@@ -66,7 +67,8 @@ def assert_pillows_batches(decoder: str, sample: Path, split: str, auto_augment:
     for step, (a, b) in enumerate(zip(pillow, ours), start=1):
         assert torch.equal(a.labels, b.labels) and a.images.shape == b.images.shape
         assert b.images.dtype == torch.float32 and b.images.is_contiguous() and not b.skipped
-        pixels = level_difference(a.images, b.images)[~equalized(root, frame, spec, 2, step)]
+        pixels = level_difference(a.images, b.images, spec.form.std)[
+            ~equalized(root, frame, spec, 2, step)]
         assert pixels.mean() <= 1.0 and pixels.mean(dim=(1, 2, 3)).max() <= image_mean
 
 

@@ -26,6 +26,7 @@ from app.data.dali_pipeline import DaliPipeline  # noqa: E402
 from app.data.dali_source import BatchSource, placeholder, prepare  # noqa: E402
 from app.data.decode import BadImage  # noqa: E402
 from app.data.decoders import build_pipeline, resolve_decoder  # noqa: E402
+from app.data.pipeline import InputFormat  # noqa: E402
 from app.data.resolution import TrainSizes  # noqa: E402
 from app.data.sampler import ShardedBatches  # noqa: E402
 from app.launch.run import prepare_job, write_run_folder  # noqa: E402
@@ -34,7 +35,8 @@ from app.runtime.devices import WorkerEnv  # noqa: E402
 from app.runtime.interrupts import Action  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
-from pipelines import STD, assert_pillows_batches, damage_five, spec_for  # noqa: E402
+from pipelines import (assert_pillows_batches, batches_of, damage_five,  # noqa: E402
+                       level_difference, spec_for)
 from exact_runs import last, stop_with_sigterm_after  # noqa: E402
 
 CATALOG = ("--catalog", str(REPO / "datasets.toml"), "--dataset", "sample_tiny")
@@ -91,6 +93,18 @@ def test_dali_and_pillow_give_the_same_batches(tiny_sample, split, auto_augment)
     assert_pillows_batches("dali", tiny_sample, split, auto_augment)
 
 
+def test_dali_normalises_with_the_runs_statistics(tiny_sample):
+    """--mean 0,0,0 --std 1,1,1: DALI's batches are pixels in [0, 1], as Pillow's."""
+    form = InputFormat(torch.device("cpu"), mean=(0.0,) * 3, std=(1.0,) * 3)
+    assert_pillows_batches("dali", tiny_sample, "val", "off", form)
+    batch = next(iter(batches_of("dali", spec_for(
+        DatasetRoot("tiny", str(tiny_sample)), load_tables(DatasetRoot(
+            "tiny", str(tiny_sample))).val, EvalRecipe(32), ShardedBatches(100, 8, seed=0,
+                                                                           shuffle=False),
+        form=form), epoch=1, start_step=0)))
+    assert 0 <= batch.images.min() and batch.images.max() <= 1 and batch.images.max() > 0.5
+
+
 def test_both_decoders_change_size_with_the_epoch_and_dali_needs_no_rebuild(tiny_sample):
     """Progressive resizing: epoch 1 at 32 px, epoch 2 at 64, from one DALI build."""
     root = DatasetRoot("tiny", str(tiny_sample))
@@ -105,7 +119,7 @@ def test_both_decoders_change_size_with_the_epoch_and_dali_needs_no_rebuild(tiny
             for a, b in zip(pillow.epoch(epoch), dali.epoch(epoch), strict=True):
                 assert a.images.shape[-2:] == b.images.shape[-2:] == (size, size)
                 assert torch.equal(a.labels, b.labels)
-                assert ((a.images - b.images) * STD).abs().mean() <= 1.0
+                assert level_difference(a.images, b.images).mean() <= 1.0
         assert dali.pipe is built
     finally:
         pillow.close()

@@ -216,6 +216,21 @@ def test_to_device_normalises_like_torchvision(dtype):
     assert torch.allclose(out.double(), expected, atol=1e-5) and labels.tolist() == [0, 1]
 
 
+def test_to_device_takes_the_formats_statistics():
+    """--mean 0,0,0 --std 1,1,1 (fastai's plain Learner): pixels in [0, 1]; any other statistics
+    as torchvision's Normalize applies them."""
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    nhwc = images.permute(0, 2, 3, 1).contiguous()
+    unit, _ = ToDevice(InputFormat(torch.device("cpu"), mean=(0.0,) * 3, std=(1.0,) * 3))(
+        nhwc, torch.arange(2))
+    assert torch.allclose(unit, images.float() / 255, atol=1e-6)
+    mean, std = (0.5, 0.25, 0.0), (0.5, 2.0, 0.1)
+    out, _ = ToDevice(InputFormat(torch.device("cpu"), mean=mean, std=std))(nhwc, torch.arange(2))
+    from torchvision.transforms.v2 import functional as F
+    assert torch.allclose(out, F.normalize(images.float() / 255, list(mean), list(std)),
+                          atol=1e-5)
+
+
 def test_nhwc_batches_become_channels_last_without_a_layout_copy():
     """The permute of an NHWC batch is already channels_last: the dtype conversion is the only
     copy, and it keeps the strides."""

@@ -175,6 +175,22 @@ def test_the_projects_own_models_export_for_our_tools_and_say_timm_cannot(tmp_pa
         np.testing.assert_allclose(theirs, ours.numpy(), rtol=1e-4, atol=1e-4)
 
 
+def test_a_run_normalised_its_own_way_exports_and_validates_that_way(tmp_path):
+    """--mean 0,0,0 --std 1,1,1 (pixels in [0, 1]): the export's config.json says so, and
+    bin/validate.py feeds the export what training fed the model: the same val loss."""
+    run = train_tiny(tmp_path, "unit", 1, "--mean", "0,0,0", "--std", "1,1,1")
+    result = run_export(run / "checkpoints" / "last.pt", "exported", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    pretrained = json.loads((tmp_path / "exported" / "config.json").read_text())["pretrained_cfg"]
+    assert (pretrained["mean"], pretrained["std"]) == ([0.0] * 3, [1.0] * 3)
+    result = run_tool("validate.py", tmp_path / "exported", *CATALOG, "-j", "0", "--run-name",
+                      "v", "--output-dir", tmp_path, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    trained_with, rated = epoch_records(run)[-1], epoch_records(tmp_path / "v")[-1]
+    assert rated["val/loss"] == pytest.approx(trained_with["val/loss"], rel=1e-5)
+    assert rated["val/top1"] == trained_with["val/top1"]
+
+
 def test_validate_rates_the_export_as_the_driver_rated_the_checkpoint(trained, tmp_path):
     """bin/validate.py: the driver's evaluation, set up from config.json (classes, sizes)."""
     run, _, out = trained
