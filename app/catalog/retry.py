@@ -1,15 +1,20 @@
 """The one retry policy of every request made of a bucket or a web server (docs/reliability.md,
 "Retries"): the clients retry each request with the attempts and waits set here (botocore keeps
-its own waits); `retried` adds a layer only where a client cannot (a shard fetched whole).
+its own waits); `retried` adds a layer only where a client cannot (a shard fetched whole). And
+the one reading of what a failed request was (`failure`), which each caller phrases its way.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
+
+from app.runtime.errors import first_line
 
 T = TypeVar("T")
 
@@ -37,8 +42,14 @@ CLIENT_ERRORS = {"botocore.exceptions": ("BotoCoreError", "ClientError"),
 def request_errors() -> tuple[type[BaseException], ...]:
     """The errors of a failed request, beside the OSErrors (timeouts, refused connections, the
     filesystems' translations of 403 and 404) that fsspec makes of most of them."""
-    return (OSError, *(getattr(sys.modules[module], name) for module, names
-                       in CLIENT_ERRORS.items() if module in sys.modules for name in names))
+    return (OSError, *loaded(CLIENT_ERRORS))
+
+
+def loaded(types: dict[str, tuple[str, ...]]) -> tuple[type[BaseException], ...]:
+    """The types named {module: names} of the modules loaded: a client's errors exist only
+    once it is (an error of a client never loaded is none of them)."""
+    return tuple(getattr(sys.modules[module], name) for module, names in types.items()
+                 if module in sys.modules for name in names)
 
 
 def retried(action: Callable[[], T], transient: tuple[type[BaseException], ...]) -> T:
@@ -50,3 +61,52 @@ def retried(action: Callable[[], T], transient: tuple[type[BaseException], ...])
         except transient:
             time.sleep(wait * random.random())
     return action()
+
+
+# What a failed request was, as `failure` tells it.
+MISSING, DENIED, INVALID, STATUS, UNREACHABLE = (
+    "missing", "access denied", "invalid name", "HTTP status", "unreachable")
+# The error types of each kind, the clients' looked up only where the client is loaded: a 403
+# or 404 of s3fs and local files is an OSError, obstore's are its own.
+KINDS = ((MISSING, (FileNotFoundError,), {"obstore.exceptions": ("NotFoundError",)}),
+         (DENIED, (PermissionError,), {"obstore.exceptions": ("PermissionDeniedError",
+                                                             "UnauthenticatedError")}),
+         (INVALID, (), {"obstore.exceptions": ("InvalidPathError",)}))
+AIOHTTP = {"aiohttp": ("ClientError",)}
+OBSTORE = {"obstore.exceptions": ("BaseError",)}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed request: its kind (MISSING ... UNREACHABLE: everything without an answer that
+    says why, a 5xx after the tries included), the client's words on one line (`said`; `words`
+    with the error's type first) and the HTTP status where the client gives one."""
+    kind: str
+    said: str
+    words: str
+    status: int | None = None
+
+
+def failure(error: BaseException) -> Failure:
+    """What `error` (one of request_errors()) says of the request that failed."""
+    if isinstance(error, FileNotFoundError) and isinstance(error.__cause__, loaded(AIOHTTP)):
+        error = error.__cause__  # fsspec's http says FileNotFoundError for any failed request
+    status = getattr(error, "status", None)  # aiohttp's ClientResponseError
+    status = status if isinstance(status, int) else None
+    said = _said(error)
+    words = f"{type(error).__name__}: {said}" if said != type(error).__name__ else said
+    if status is not None:
+        return Failure(MISSING if status == 404 else STATUS, said, words, status)
+    kind = next((kind for kind, types, clients in KINDS
+                 if isinstance(error, (*types, *loaded(clients)))), UNREACHABLE)
+    return Failure(kind, said, words)
+
+
+def _said(error: BaseException) -> str:
+    """The error's message on one line (its type's name if it has none). obstore's name the
+    request first and end with the cause (" - Server returned ... 503 ... <Code>SlowDown</Code>"),
+    followed by a debug dump: the cause, without its XML, is what says why."""
+    if not isinstance(error, loaded(OBSTORE)):
+        return first_line(error, 160)
+    text = str(error).split("\n\nDebug source:")[0].rsplit(" - ", 1)[-1]
+    return " ".join(re.sub(r"<[^>]*>", " ", text).split())[:160] or type(error).__name__

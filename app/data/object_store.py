@@ -9,12 +9,10 @@ round trip between batches; only the current and announced images are kept.
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from app.catalog.retry import ATTEMPTS, request_errors
+from app.catalog.retry import ATTEMPTS, DENIED, INVALID, MISSING, failure, request_errors
 from app.catalog.storage import DatasetRoot
-from app.runtime.errors import first_line
 
 Outcome = tuple[bytes | None, str]  # (bytes, "") or (None, why not)
 
@@ -60,23 +58,18 @@ class ObjectStoreReads:
 
     def _get(self, path: str) -> Outcome:
         import obstore  # noqa: PLC0415 (loads in the reading process only)
-        from obstore.exceptions import (InvalidPathError, PermissionDeniedError,  # noqa: PLC0415
-                                        UnauthenticatedError)
         try:
             return bytes(obstore.get(self.root.store, path).bytes()), ""
-        except FileNotFoundError:
-            return None, "missing"
-        except (PermissionDeniedError, UnauthenticatedError):
-            return None, "access denied"
-        except InvalidPathError as invalid:
-            return None, f"not a valid object name: {first_line(invalid)}"
         except request_errors() as error:  # what is left after obstore's own tries
-            return None, f"unreadable after {ATTEMPTS} attempts: {cause(error)}"
+            return None, skip_reason(error, retried=True)
 
 
-def cause(error: BaseException) -> str:
-    """The part of an obstore error that says why, on one line: its messages name the request
-    first and end with the cause (" - Server returned ... 503 ... <Code>SlowDown</Code>")."""
-    text = str(error).split("\n\nDebug source:")[0].rsplit(" - ", 1)[-1]
-    text = " ".join(re.sub(r"<[^>]*>", " ", text).split())[:160]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+def skip_reason(error: BaseException, retried: bool) -> str:
+    """Why an image whose read failed is skipped, short (skipped.tsv's `reason`): "missing",
+    "access denied", or what the client said (`retried`: after the client's tries)."""
+    failed = failure(error)
+    if failed.kind in (MISSING, DENIED):
+        return failed.kind
+    if failed.kind == INVALID:
+        return f"not a valid object name: {failed.said}"
+    return f"unreadable{f' after {ATTEMPTS} attempts' if retried else ''}: {failed.words}"

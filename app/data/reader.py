@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from app.catalog.retry import ATTEMPTS, request_errors
+from app.catalog.retry import request_errors
 from app.catalog.storage import DEFAULT_CACHE_GB, DEFAULT_CONCURRENCY, DatasetRoot
 from app.data.cache import DiskCache
-from app.data.object_store import ObjectStoreReads, Outcome
-from app.runtime.errors import first_line
+from app.data.object_store import ObjectStoreReads, Outcome, skip_reason
 
 
 class BlobReader:
@@ -62,13 +61,8 @@ class FsspecReads:
         for path, value in self.fetch(paths).items():
             if isinstance(value, bytes):
                 results[path] = (value, "")
-            elif isinstance(value, FileNotFoundError):
-                results[path] = (None, "missing")
-            elif isinstance(value, PermissionError):
-                results[path] = (None, "access denied")
             elif isinstance(value, request_errors()):  # after the client's tries, if it has any
-                tried = f" after {ATTEMPTS} attempts" if self.root.reader == "s3fs" else ""
-                results[path] = (None, f"unreadable{tried}: {first_line(value, with_type=True)}")
+                results[path] = (None, skip_reason(value, retried=self.root.reader == "s3fs"))
             else:
                 raise value  # a bug, not a failed read
         return results
