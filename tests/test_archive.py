@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 from matplotlib import cbook
 from PIL import Image, ImageOps
 from tqdm import tqdm
@@ -193,7 +192,7 @@ def test_a_cut_download_is_continued_with_a_range_request(server, photos, tmp_pa
     catalog = catalog_of(tmp_path, server.url("cut.tgz?cut=1"), md5=checksums["md5"])
     with pytest.raises(UserError) as error:
         catalog.open("net")
-    part = fetched_path(tmp_path, server.url("cut.tgz?cut=1")).with_name("cut.tgz.part")
+    part = fetcher.hidden(fetched_path(tmp_path, server.url("cut.tgz?cut=1")), "part")
     kept = part.stat().st_size
     assert 0 < kept <= size // 2
     assert str(error.value).startswith(
@@ -327,7 +326,7 @@ def test_processes_asking_at_once_download_once(server, photos, tmp_path):
     source = archive.Archive(server.url("once.tgz"), "md5", checksums["md5"], "")
     folder = archive.cache_folder(source, tmp_path / "cache")
     folder.parent.mkdir(parents=True)
-    with FileLock(f"{folder}.lock"):
+    with fetcher.machine_lock(folder):
         processes = [open_in_a_process(catalog) for _ in range(2)]
         for process in processes:  # each says once that it waits
             assert process.stdout.readline().startswith(
@@ -348,13 +347,14 @@ def test_a_wait_for_another_download_is_bounded(server, tmp_path, monkeypatch):
     folder.parent.mkdir(parents=True)
     monkeypatch.setattr(fetcher, "LOCK_WAIT_S", 0.3)
     lines: list[str] = []
-    with FileLock(f"{folder}.lock"), pytest.raises(UserError) as error:
+    with fetcher.machine_lock(folder), pytest.raises(UserError) as error:
         catalog.open("net", report=lines.append)
     assert lines == [f"waiting for another process that downloads {server.url('held.tgz')} "
                      f"into {folder} (at most 0 s)"]
     assert str(error.value) == (f"waited 0 s for another process to download "
                                 f"{server.url('held.tgz')} into {folder}; stop it if it hangs "
-                                f"(the process that holds {folder}.lock), then run again")
+                                f"(the process that holds {fetcher.hidden(folder, 'lock')}), "
+                                "then run again")
 
 
 def test_an_archive_in_a_bucket(s3_server, photos, tmp_path):

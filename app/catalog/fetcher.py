@@ -1,9 +1,11 @@
 """The one way a whole remote file reaches this machine (an archive, a checkpoint, a model, a
-shard): once per machine, into the cache folder (an entry's `cache_dir`, else IMAGENET_DP_CACHE,
-else ~/.cache/imagenet-dp) as <kind>/<16 hex of the URL's sha256>/<file name>, there only when
-whole, beside its .lock and its .part (the download, or its cut). A cached copy is used while
-`is_current`; a cut download is continued. `where` names the catalog entry to edit in messages
-("" for a command line's URL).
+shard, a bucket's run folder's files): once per machine, into the cache folder (an entry's
+`cache_dir`, else IMAGENET_DP_CACHE, else ~/.cache/imagenet-dp) as <kind>/<16 hex of the URL's
+sha256>/<file name>, or to a path of the caller's (`fetch_to`: a run folder's staging), there
+only when whole, beside its hidden .lock, .part (the download, or its cut) and .version (what
+the source said of it: app/catalog/versions.py). A cached copy is used while `is_current`; a
+cut download is continued. `where` names the catalog entry to edit in messages ("" for a
+command line's URL).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from app.catalog.retry import request_errors
-from app.catalog.storage import Location, default_cache_dir, scheme_of
+from app.catalog import versions
+from app.catalog.retry import DENIED, INVALID, MISSING, STATUS, failure, request_errors
+from app.catalog.storage import Location, scheme_of, url_folder
+from app.catalog.versions import Version
 from app.runtime.errors import UserError, first_line
 
 CHUNK_BYTES = 8 << 20  # per read and write
@@ -33,6 +37,8 @@ LOCK_WAIT_S = 1800.0
 
 Report = Callable[[str], None] | None
 Checksum = tuple[str, str]  # (hashlib's name of the algorithm, hex digest)
+# keep(local, download): True keeps the local file instead of the download of its source
+Keep = Callable[[Path, Path], bool] | None
 
 
 class FetchError(UserError):
@@ -49,29 +55,46 @@ class NotFound(FetchError):
 
 def cached_path(url: str, kind: str, cache: str | Path | None = None) -> Path:
     """Where `fetch` puts the file at `url`: a folder per URL, so files of one name never meet."""
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     name = posixpath.basename(urlsplit(url).path.rstrip("/")) or "file"
-    return (Path(cache).expanduser() if cache else default_cache_dir()) / kind / digest / name
+    return url_folder(url, kind, cache) / name
 
 
 def fetch(source: Location, kind: str, relative: str = "", checksum: Checksum | None = None,
           cache: str | Path | None = None, where: str = "", report: Report = None) -> Path:
     """`source`'s file `relative` (`source` itself for "") in the cache, fetched unless current."""
+    local = cached_path(source.describe(relative), kind, cache)
+    return fetch_to(local, source, relative, checksum, where, report)
+
+
+def fetch_to(local: Path, source: Location, relative: str = "", checksum: Checksum | None = None,
+             where: str = "", report: Report = None, keep: Keep = None) -> Path:
+    """`source`'s file `relative` at `local`, fetched unless current there. `keep` may keep a
+    local file over its source's download (a run's record that grew here)."""
     remote = Remote(source, relative, where)
-    local = cached_path(remote.url, kind, cache)
     with lock(local, remote.url, report, where=where):
         if local.is_file() and is_current(local, remote, checksum):
             return local
-        part = local.with_name(local.name + ".part")
-        digest = download(remote, part, checksum[0] if checksum else None, report)
+        part = hidden(local, "part")
+        digest = download(remote, local, checksum[0] if checksum else None, report)
         if checksum and digest != checksum[1]:
             part.unlink()
+            versions.remember(local)  # nothing of it is left
             raise UserError(f"{remote.url} has {checksum[0]} {digest}, but the catalog expects "
                             f"{checksum[1]}; removed the download (the next run downloads it "
                             "again); if the file changed at its source, update "
                             f"`{checksum[0]}` of {where}")
-        os.replace(part, local)
+        if keep and local.is_file() and keep(local, part):
+            part.unlink()
+        else:
+            os.replace(part, local)
+        versions.remember(local, file=None if checksum else remote.version)
     return local
+
+
+def hidden(local: Path, suffix: str) -> Path:
+    """A file beside `local` that is its fetch's own (.part, .lock): hidden, so that a run
+    folder's upload passes it over (app/catalog/uploader.py's record)."""
+    return local.with_name(f"{'' if local.name.startswith('.') else '.'}{local.name}.{suffix}")
 
 
 @contextlib.contextmanager
@@ -105,7 +128,7 @@ def lock(target: Path, url: str, report: Report = None, wait: bool = True,
 def machine_lock(target: Path) -> FileLock:
     """The lock beside `target` that every process of the machine takes to make or change it:
     the one way this program locks files. The kernel frees it with its process, however it ends."""
-    return FileLock(f"{target}.lock")
+    return FileLock(hidden(target, "lock"))
 
 
 def acquired(held: FileLock, timeout_s: float) -> bool:
@@ -117,12 +140,12 @@ def acquired(held: FileLock, timeout_s: float) -> bool:
 
 
 def is_current(local: Path, remote: Remote, checksum: Checksum | None) -> bool:
-    """A cached file with a checksum is hashed again; one without is as current as its size (a
-    run's last.pt is replaced as it trains, not edited)."""
+    """A cached file with a checksum is hashed again; one without is current while it is the
+    copy of the version its source has now (one HEAD request), unchanged here since."""
     if checksum:
         with open(local, "rb") as file:
             return hashlib.file_digest(file, checksum[0]).hexdigest() == checksum[1]
-    return local.stat().st_size == remote.size
+    return versions.is_copy_of(local, remote.version)
 
 
 class RangesIgnored(Exception):
@@ -139,13 +162,19 @@ class Remote:
         self.streams = source.reader == "obstore"
 
     @functools.cached_property
-    def size(self) -> int | None:
-        """The object's size in bytes (a HEAD request); None where the server does not say."""
+    def version(self) -> Version:
+        """What the source says of the file now (a HEAD request): its size and version."""
         with self.reaching():
             if self.streams:
                 import obstore  # noqa: PLC0415 (loads with the first object-store read)
-                return obstore.head(self.source.store, self.relative)["size"]
-            return self.source.fs.size(self._path)
+                return versions.version_of(obstore.head(self.source.store, self.relative))
+            self.source.fs.invalidate_cache(self._path)  # a listing's, maybe from long ago
+            return versions.version_of(self.source.fs.info(self._path))
+
+    @property
+    def size(self) -> int | None:
+        """The object's size in bytes; None where the server does not say."""
+        return self.version.size
 
     @property
     def _path(self) -> str:
@@ -158,9 +187,9 @@ class Remote:
             with self.reaching():
                 got = obstore.get(self.source.store, self.relative,
                                   options={"range": {"offset": offset}} if offset else None)
-            self.size = got.meta["size"]  # the GET says it: no HEAD request
+            self.version = versions.version_of(got.meta)  # of these bytes: no HEAD request
             return iter(got.stream(min_chunk_size=CHUNK_BYTES))
-        self.size  # noqa: B018 (asked first: a missing file is not a cut download)
+        self.version  # noqa: B018 (asked first: a missing file is not a cut download)
         # http streams the whole body in one GET only with block_size=0, and seeks (a ranged GET
         # per block) only without it. Other filesystems read blocks either way.
         whole = not offset and scheme_of(self._path) in ("http", "https")
@@ -183,12 +212,16 @@ class Remote:
             raise unreachable(self.url, self.where, error) from None
 
 
-def download(remote: Remote, part: Path, algorithm: str | None, report: Report) -> str | None:
-    """The file's bytes into `part`, continued with a Range request where a cut download left
-    some; the hex digest of the whole file by `algorithm` (hashlib's name), if one is given."""
+def download(remote: Remote, local: Path, algorithm: str | None, report: Report) -> str | None:
+    """The file's bytes into `local`'s .part, continued with a Range request where a cut download
+    of the same version left some; the hex digest of the whole file by `algorithm` (hashlib's
+    name), if one is given."""
+    part = hidden(local, "part")
     kept = part.stat().st_size if part.is_file() else 0
-    # Without a size there is no knowing where a cut left off; a larger file changed since.
-    offset = kept if kept and remote.size and kept <= remote.size else 0
+    # Without a size there is no knowing where a cut left off; a larger file changed since, and
+    # bytes of another version of the same size would make a file that never was.
+    offset = kept if kept and remote.size and kept <= remote.size and versions.part_is_of(
+        local, remote.version) else 0
     try:
         try:
             chunks = remote.read(offset)
@@ -196,23 +229,34 @@ def download(remote: Remote, part: Path, algorithm: str | None, report: Report) 
             say(report, f"{remote.url}: the server does not continue downloads (it ignores "
                         "Range requests); downloading it again from the start")
             offset, chunks = 0, remote.read(0)
+        if offset and not versions.part_is_of(local, remote.version):  # replaced since the HEAD
+            offset, chunks = 0, remote.read(0)
+        versions.remember(local, part=remote.version)  # what a cut leaves in `part` is of it
         size = remote.size
-        total = format_size(size) if size else "size unknown"
-        say(report, f"continuing the download of {remote.url} at {format_size(offset)} of "
-                    f"{total} into {part.parent} (first use only)" if offset else
-                    f"downloading {remote.url} ({total}) into {part.parent} (first use only)")
+        say(report, _starting(remote.url, local, offset, size))
         with tqdm(total=size, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
-                  desc=part.name[:-len(".part")], disable=report is None) as bar:
+                  desc=local.name, disable=report is None) as bar:
             digest = copy(chunks, part, offset, algorithm, bar)
     except request_errors() as error:  # OSError among them
         if isinstance(error, OSError) and error.errno in DISK_FULL:
             part.unlink(missing_ok=True)  # the room it took is room the user needs
+            versions.remember(local)
             needs = f"the file takes {format_size(remote.size)}" if remote.size else "the file"
             raise no_room(remote.url, part.parent, error, remote.where, needs) from None
         raise cut(remote.url, part, remote.size, first_line(error, 200, True)) from None
     if size and part.stat().st_size != size:  # closed early, without a Content-Length
         raise cut(remote.url, part, size, "the server closed the connection")
     return digest
+
+
+def _starting(url: str, local: Path, offset: int, size: int | None) -> str:
+    total = format_size(size) if size else "size unknown"
+    why = "the copy here is not its source's version now" if local.exists() else \
+        "first use only"
+    if offset:
+        return (f"continuing the download of {url} at {format_size(offset)} of {total} into "
+                f"{local.parent} ({why})")
+    return f"downloading {url} ({total}) into {local.parent} ({why})"
 
 
 def copy(chunks: Iterator[bytes], part: Path, offset: int, algorithm: str | None,
@@ -241,20 +285,20 @@ def _chunks(file, chunk: bytes) -> Iterator[bytes]:
 
 def unreachable(url: str, where: str, error: BaseException) -> FetchError:
     """The first request failed: a missing file, an HTTP status, refused credentials, no link."""
-    from obstore.exceptions import NotFoundError, PermissionDeniedError  # noqa: PLC0415
-    if isinstance(error, FileNotFoundError) and scheme_of(url) in ("http", "https") \
-            and error.__cause__ is not None:
-        error = error.__cause__  # fsspec's http says FileNotFoundError for any failed request
-    why, check = first_line(error, 120, True), f"`url` of {where}" if where else "the URL"
-    status = getattr(error, "status", None)  # aiohttp's ClientResponseError
-    if status == 404 or isinstance(error, (FileNotFoundError, NotFoundError)):
-        return NotFound(f"{url} not found{' (HTTP 404)' if status else ''}; check {check}", why)
-    if isinstance(status, int):
-        return FetchError(f"{url} answered HTTP {status}; check {check}, or try again later if "
-                          "the server is busy", why)
-    if isinstance(error, (PermissionError, PermissionDeniedError)):
+    failed, check = failure(error), f"`url` of {where}" if where else "the URL"
+    why = failed.words
+    if failed.kind == MISSING:
+        return NotFound(f"{url} not found{' (HTTP 404)' if failed.status else ''}; check "
+                        f"{check}", why)
+    if failed.kind == STATUS:
+        return FetchError(f"{url} answered HTTP {failed.status}; check {check}, or try again "
+                          "later if the server is busy", why)
+    if failed.kind == DENIED:
         return FetchError(f"cannot download {url}: access denied ({why}); check the "
                           f"credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) and {check}", why)
+    if failed.kind == INVALID:
+        return FetchError(f"{url} is not a valid object name ({failed.said}); check {check}",
+                          why)
     yourself = f", or download the file yourself and set `url` of {where} to its local path" \
         if where else ""
     return FetchError(f"cannot download {url} ({why}); check the network or the proxy "

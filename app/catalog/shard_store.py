@@ -18,7 +18,7 @@ from app.catalog.storage import DEFAULT_CACHE_GB, DatasetRoot, default_cache_dir
 from app.runtime.files import atomic_path, remove_temporaries
 
 SHARDS = "shards"  # their kind in the cache
-NOT_DATA = (".index.npz", ".lock", ".part")  # what a shard's folder holds beside its data
+NOT_DATA = (".index.npz",)  # what a shard's folder holds beside its data and hidden files
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ object stores' per-image GETs through obstore unless the entry says `reader = "s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 from dataclasses import dataclass, field
@@ -133,6 +134,14 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "imagenet-dp"
+
+
+def url_folder(url: str, kind: str, cache: str | Path | None = None) -> Path:
+    """<cache>/<kind>/<16 hex digits of the URL's sha256>/: the one folder of this machine for
+    what comes from `url` (a fetched file, a run folder's staging, a dataset's read images), so
+    two URLs never share one (`cache`: an entry's `cache_dir`, else the default)."""
+    base = Path(cache).expanduser() if cache else default_cache_dir()
+    return base / kind / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def scheme_of(url: str) -> str:

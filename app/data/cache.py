@@ -7,12 +7,13 @@ next use; one that keeps what it has serves size / dataset of every epoch.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from app.catalog.fetcher import acquired, machine_lock
+from app.catalog.storage import url_folder
 from app.runtime.files import write_atomically
 
+IMAGES = "images"  # their kind in the cache folder, beside archives/, shards/, models/
 LEDGER = ".bytes"  # total bytes admitted so far, updated under the machine's lock beside it
 # A holder that takes longer is stopped (SIGSTOP, a debugger): the image then goes uncached.
 LEDGER_WAIT_S = 10.0
@@ -27,8 +28,7 @@ class DiskCache:
     @classmethod
     def for_dataset(cls, cache_dir: str, url: str, max_gb: float) -> "DiskCache":
         """One sub-folder per dataset URL, so two datasets never share entries."""
-        key = hashlib.sha1(url.encode()).hexdigest()[:16]
-        return cls(Path(cache_dir).expanduser() / key, int(max_gb * 2**30))
+        return cls(url_folder(url, IMAGES, cache_dir), int(max_gb * 2**30))
 
     def get(self, path: str) -> bytes | None:
         try:
