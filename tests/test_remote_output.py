@@ -6,18 +6,23 @@ start and mid-run, a SIGKILL mid-upload, no credential in anything the run wrote
 
 import io
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
+from app.catalog import Catalog
 from app.catalog.remote_run import RemoteRunFolder, staging_folder
 from app.catalog.storage import DatasetRoot
+from app.launch.remote_output import fetched_last, run_dir
 from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.runtime import moments
 from app.runtime.liveness import descendants, is_alive
@@ -44,6 +49,17 @@ def new_bucket(server, name: str) -> str:
 
 def as_checkpoint(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def grown_to(checkpoint: bytes, size: int) -> bytes:
+    """A checkpoint (a zip file) grown to `size` bytes by a zip comment, which loading passes
+    over: two checkpoints of one size, as a model's often are."""
+    def commented(comment: bytes) -> bytes:
+        data = io.BytesIO(checkpoint)
+        with zipfile.ZipFile(data, "a") as archive:  # writes its central directory again
+            archive.comment = comment
+        return data.getvalue()
+    return commented(b" " * (size - len(commented(b""))))
 
 
 def wait_for_step(process, run_dir, step: int, timeout: float = 120) -> None:
@@ -283,6 +299,90 @@ def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded
     stopped = as_checkpoint(bucket_files(s3_server, "moody")["exp/m/checkpoints/last.pt"])
     assert 20 < stopped["step"] < 40  # saved by the stop, in epoch 2
     assert f"after step {stopped['step']} " in stderr  # the stop's checkpoint is the bucket's
+
+
+def test_a_checkpoint_url_replaced_by_one_of_the_same_size_is_resumed_from_the_newer(
+        straight, s3_server, tmp_path):
+    """--resume s3://.../last.pt twice on one machine, the bucket's last.pt replaced in between
+    by a later checkpoint of the same size (a model's checkpoints are): the second run
+    evaluates the later one, not this machine's cached copy of the first."""
+    straight("1 worker")  # the exact run, once per suite: its step files of epochs 1 and 2
+    saved = Path(straight.args[0]) / "runs" / "1-worker" / "checkpoints"
+    older, newer = ((saved / f"step-{step:09d}.pt").read_bytes() for step in (20, 40))
+    size = max(len(older), len(newer))
+    older, newer = grown_to(older, size), grown_to(newer, size)
+    assert len(older) == len(newer) and older != newer  # what a size cannot tell apart
+    client = s3_server.client()
+    new_bucket(s3_server, "replaced")
+    url = "s3://replaced/exp/r/checkpoints/last.pt"
+    for body, step in ((older, 20), (newer, 40)):
+        client.put_object(Bucket="replaced", Key="exp/r/checkpoints/last.pt", Body=body)
+        result = run_driver(*CATALOG, *ONE_WORKER, "-e", "--resume", url, "--run-name",
+                            f"at-{step}", "--output-dir", str(tmp_path / "local"), cwd=tmp_path,
+                            env={"AWS_ENDPOINT_URL": s3_server.endpoint})
+        assert result.returncode == 0, result.stderr
+        assert metric_rows(tmp_path / "local" / f"at-{step}")[-1]["step"] == step
+    assert f"downloading {url} " in result.stderr  # again: the copy here is of the first one
+    assert "(the copy here is not its source's version now)" in result.stderr
+
+
+def test_a_run_resumed_on_a_machine_it_left_keeps_the_epochs_others_added(
+        s3_server, tiny_sample, tmp_path):
+    """Machine a trains epoch 1, machine b (another cache folder, so another staging folder)
+    epoch 2, machine a again epoch 3, each with --resume auto: a takes the bucket's record
+    over its own older one, so the bucket's metrics.jsonl holds every epoch once, in order."""
+    new_bucket(s3_server, "moving")
+    catalog = write_catalog(tmp_path / "datasets.toml", {"tiny": {"url": str(tiny_sample)}})
+    url = "s3://moving/exp"
+    for machine, epochs in (("a", 1), ("b", 2), ("a", 3)):
+        result = run_driver("--catalog", str(catalog), *ONE_WORKER, "--epochs", str(epochs),
+                            "--run-name", "m", "--output-dir", url,
+                            *(("--resume", "auto") if epochs > 1 else ()), cwd=tmp_path,
+                            env={"AWS_ENDPOINT_URL": s3_server.endpoint,
+                                 "IMAGENET_DP_CACHE": str(tmp_path / machine)})
+        assert result.returncode == 0, result.stderr
+    files = bucket_files(s3_server, "moving")
+    rows = [json.loads(line) for line in files["exp/m/metrics.jsonl"].decode().splitlines()]
+    assert [row["epoch"] for row in rows if "val/top1" in row] == [1, 2, 3]
+    assert [row["step"] for row in rows if "val/top1" not in row] == list(range(1, 61))
+    assert as_checkpoint(files["exp/m/checkpoints/last.pt"])["step"] == 60
+    said = next(line for line in result.stderr.splitlines() if "replaced this machine's" in line)
+    assert "metrics.jsonl" not in said  # a's own was the beginning of the bucket's: nothing lost
+
+
+def test_resume_auto_keeps_a_record_that_went_on_here_and_else_takes_the_buckets(
+        s3_server, tmp_path, monkeypatch, caplog):
+    """What --resume auto takes of the bucket's record on a machine that has one of its own:
+    this machine's metrics.jsonl where it goes on from the bucket's (a stop whose upload of the
+    record did not finish), the bucket's skipped.tsv where this machine's is its beginning, the
+    bucket's curves.png where they differ (this machine's kept aside, hidden, and said). A
+    second resume, nothing changed, downloads nothing."""
+    monkeypatch.setenv("IMAGENET_DP_CACHE", str(tmp_path / "machine"))
+    caplog.set_level(logging.INFO, logger="imagenet_dp")
+    client = s3_server.client()
+    new_bucket(s3_server, "record")
+    bucket = {"checkpoints/last.pt": b"weights", "metrics.jsonl": b"1\n2\n",
+              "skipped.tsv": b"path\nx.jpg\n", "curves.png": b"new"}
+    for key, body in bucket.items():
+        client.put_object(Bucket="record", Key=f"exp/r/{key}", Body=body)
+    staged = run_dir("s3://record/exp", "r")
+    mine = {"metrics.jsonl": b"1\n2\n3\n", "skipped.tsv": b"path\n", "curves.png": b"old"}
+    for name, body in mine.items():
+        (staged / name).parent.mkdir(parents=True, exist_ok=True)
+        (staged / name).write_bytes(body)
+    catalog = Catalog.load(write_catalog(tmp_path / "datasets.toml", {
+        "b": {"url": "s3://record/data", "endpoint_url": s3_server.endpoint}}))
+    last = Path(fetched_last(catalog, "s3://record/exp", "r"))
+    assert last == staged / "checkpoints" / "last.pt" and last.read_bytes() == b"weights"
+    assert {name: (staged / name).read_bytes() for name in mine} == {
+        "metrics.jsonl": b"1\n2\n3\n", "skipped.tsv": b"path\nx.jpg\n", "curves.png": b"new"}
+    assert (staged / ".curves.png.replaced").read_bytes() == b"old"
+    said = [r.getMessage() for r in caplog.records if "replaced this machine's" in r.getMessage()]
+    assert said == ["--resume auto: the bucket's curves.png replaced this machine's, which held "
+                    "what the bucket's lacks (kept beside as .<name>.replaced)"]
+    before = {path: path.stat().st_mtime_ns for path in staged.rglob("*")}
+    assert Path(fetched_last(catalog, "s3://record/exp", "r")) == last
+    assert {path: path.stat().st_mtime_ns for path in staged.rglob("*")} == before
 
 
 @pytest.mark.parametrize("bucket", ["missing", "forbidden"])

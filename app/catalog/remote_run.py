@@ -5,15 +5,13 @@ requests the run makes of the bucket, each retried by its client (app/catalog/re
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 from pathlib import Path
 
-from app.catalog.retry import request_errors
-from app.catalog.storage import DatasetRoot, default_cache_dir, scheme_of
-from app.runtime.errors import UserError, first_line
-from app.runtime.files import atomic_path
+from app.catalog.retry import DENIED, MISSING, failure, request_errors
+from app.catalog.storage import DatasetRoot, scheme_of, url_folder
+from app.runtime.errors import UserError
 
 
 def is_url(location: str) -> bool:
@@ -24,7 +22,7 @@ def staging_folder(output_url: str) -> Path:
     """<cache>/runs/<16 hex digits of the URL's sha256>/: one per output URL, so two buckets'
     runs of one name never meet (its `url` file names the URL)."""
     url = output_url.rstrip("/")
-    folder = default_cache_dir() / "runs" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    folder = url_folder(url, "runs")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "url").write_text(url + "\n", encoding="utf-8")
     return folder
@@ -69,13 +67,6 @@ class RemoteRunFolder:
         return {self.root._relative(name): info.get("size", 0) for name, info in found.items()
                 if info.get("type") != "directory"}
 
-    def fetch(self, relative: str, local: Path) -> Path:
-        """Download to `local` atomically (a cut download leaves no file of that name)."""
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(local) as temporary:
-            self.root.fs.get_file(self.root.path(relative), str(temporary))
-        return local
-
     def check_writable(self) -> None:
         """A bucket that refuses writes or does not exist stops the run before any worker."""
         probe = f".write-probe-{os.getpid()}-{random.randrange(1 << 30)}"
@@ -91,8 +82,6 @@ class RemoteRunFolder:
 
 def refusal(error: BaseException) -> str:
     """What a failed request says, in one short line (403 and missing buckets by name)."""
-    if isinstance(error, PermissionError):
-        return "403 access denied: " + first_line(error, 120)
-    if isinstance(error, FileNotFoundError):
-        return "no such bucket or key: " + first_line(error, 120)
-    return first_line(error, 160, with_type=True)
+    failed = failure(error)
+    prefix = {DENIED: "403 access denied: ", MISSING: "no such bucket or key: "}.get(failed.kind)
+    return prefix + failed.said if prefix else failed.words

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
 from app.catalog import Catalog
-from app.catalog.fetcher import fetch
+from app.catalog.fetcher import CHUNK_BYTES, fetch, fetch_to
 from app.catalog.locations import MODELS
-from app.catalog.remote_run import RemoteRunFolder, is_url, staging_folder
+from app.catalog.remote_run import RemoteRunFolder, is_url, refusal, staging_folder
 from app.catalog.retry import request_errors
 from app.catalog.storage import DatasetRoot
 from app.catalog.uploader import Mirrored, UploadProcess
@@ -25,6 +26,7 @@ log = logging.getLogger("imagenet_dp")
 # The most the driver waits for the last uploads of a run that ends on its own (a 10 GB
 # checkpoint at 100 MB/s takes 100 s); after a stop request, --stop-timeout rules.
 FINISH_TIMEOUT_S = 600.0
+LAST = "checkpoints/last.pt"  # in the bucket: a copy of the newest whole upload
 
 
 def run_store(catalog: Catalog, output_dir: str, name: str) -> DatasetRoot | None:
@@ -39,15 +41,17 @@ def run_dir(output_dir: str, name: str) -> Path:
 
 def fetched_checkpoint(catalog: Catalog, url: str) -> tuple[str, str]:
     """(local copy, run name the URL implies or "") of `--resume URL`."""
-    local = fetch(catalog.location(url), MODELS)
+    local = fetch(catalog.location(url), MODELS, report=log.info)
     parts = url.rstrip("/").split("/")
     name = parts[-3] if len(parts) > 3 and parts[-2] == "checkpoints" else ""
     return str(local), name
 
 
 def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
-    """`--resume auto` for a bucket's run: its last.pt (the last completed upload) and the run's
-    other files this machine lacks, fetched into the staging folder; "" without a checkpoint yet."""
+    """`--resume auto` for a bucket's run: its last.pt (the last completed upload) and its record
+    (the files beside checkpoints/), each fetched into the staging folder unless this machine's
+    copy is the bucket's version already; "" without a checkpoint yet. The bucket's record goes
+    on, not over: a machine that ran the run before takes what other machines added since."""
     remote = RemoteRunFolder(run_store(catalog, output_dir, name))
     local = run_dir(output_dir, name)
     try:
@@ -55,17 +59,45 @@ def fetched_last(catalog: Catalog, output_dir: str, name: str) -> str:
     except FileNotFoundError:
         files = []
     except request_errors() as error:
-        raise UserError(f"--resume auto: cannot list {remote.describe()} ({error}); check "
-                        "the credentials and --output-dir") from None
-    if "checkpoints/last.pt" not in files:
-        log.info("--resume auto: no %s yet, starting a new run",
-                 remote.describe("checkpoints/last.pt"))
+        raise UserError(f"--resume auto: cannot list {remote.describe()} ({refusal(error)}); "
+                        "check the credentials and --output-dir") from None
+    if LAST not in files:
+        log.info("--resume auto: no %s yet, starting a new run", remote.describe(LAST))
         return ""
-    for relative in files:  # the record so far: metrics.jsonl goes on, not over
-        if not relative.startswith("checkpoints/") and not (local / relative).exists():
-            remote.fetch(relative, local / relative)
-    log.info("--resume auto: fetching %s", remote.describe("checkpoints/last.pt"))
-    return str(remote.fetch("checkpoints/last.pt", local / "checkpoints" / "last.pt"))
+    replaced: list[str] = []
+    for relative in files:
+        if not relative.startswith("checkpoints/"):
+            fetch_to(local / relative, remote.root, relative,
+                     keep=lambda mine, bucket: grown_here(mine, bucket, replaced))
+    if replaced:
+        log.info("--resume auto: the bucket's %s replaced this machine's, which held what the "
+                 "bucket's lacks (kept beside as .<name>.replaced)", ", ".join(replaced))
+    log.info("--resume auto: continuing from %s", remote.describe(LAST))
+    return str(fetch_to(local / LAST, remote.root, LAST, report=log.info))
+
+
+def grown_here(local: Path, bucket: Path, replaced: list[str]) -> bool:
+    """Whether this machine's record file is kept over the bucket's: only where it goes on from
+    it (the bucket's bytes are its beginning: a stop whose last upload of the record did not
+    finish); it is uploaded then. Otherwise the bucket's replaces it, and one that held bytes
+    the bucket's lacks is kept aside, hidden (no upload takes it), and named in `replaced`."""
+    if starts_with(local, bucket):
+        return True
+    if not starts_with(bucket, local):
+        os.replace(local, local.with_name(f".{local.name}.replaced"))
+        replaced.append(local.name)
+    return False
+
+
+def starts_with(path: Path, beginning: Path) -> bool:
+    """Whether `path`'s bytes begin with all of `beginning`'s."""
+    if path.stat().st_size < beginning.stat().st_size:
+        return False
+    with open(path, "rb") as whole, open(beginning, "rb") as start:
+        while chunk := start.read(CHUNK_BYTES):
+            if whole.read(len(chunk)) != chunk:
+                return False
+    return True
 
 
 def check_bucket(store: DatasetRoot, resuming: bool, config_toml: str) -> None:
