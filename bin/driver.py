@@ -11,8 +11,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.launch.run import main  # noqa: E402
+if __name__ == "__main__":
+    # First, before the seconds of imports: no moment of a run takes a stop signal's default
+    # action (a stop while the run starts ends it with 75, its last checkpoint standing).
+    from app.runtime.stop_signals import stop_signals
+    stop_signals()
+
 from app.runtime.cli import end_process, run_cli  # noqa: E402
+from app.runtime.moments import moment  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    moment("driver:importing")
+    from app.launch.run import main as run  # noqa: PLC0415
+    return run(argv)
+
 
 if __name__ == "__main__":
     end_process(run_cli(main))

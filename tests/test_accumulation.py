@@ -207,8 +207,12 @@ class StopAfter(NoRequests):
         self.step, self.polled = step, []
 
     def poll(self, rank: int, step: int) -> Action:
-        self.polled.append(step)
-        return Action(save=step == self.step, stop=step == self.step)
+        self.polled.append(("trained", step))
+        return Action(stop=step == self.step)
+
+    def checkpointed(self, rank: int, step: int) -> Action:
+        self.polled.append(("checkpointed", step))
+        return Action()
 
 
 def test_a_stop_mid_epoch_saves_between_optimizer_steps_and_resumes_exactly(tmp_path):
@@ -227,7 +231,8 @@ def test_a_stop_mid_epoch_saves_between_optimizer_steps_and_resumes_exactly(tmp_
     requests = StopAfter(5)
     outcome = train_worker(stopped, WorkerEnv(), LocalSync(), NullLogger(), requests)
     assert outcome == Stopped(5)
-    assert requests.polled == list(range(6))  # before the first step, then after each step
+    # the start (a checkpointed point: nothing to save), then after each step
+    assert requests.polled == [("checkpointed", 0), *(("trained", s) for s in range(1, 6))]
     last = tmp_path / "stopped" / "checkpoints" / "last.pt"
     saved = weights(tmp_path / "stopped")
     assert (saved["epoch"], saved["epoch_step"], saved["step"]) == (0, 5, 5)

@@ -32,7 +32,7 @@ from app.data.sampler import ShardedBatches  # noqa: E402
 from app.launch.run import prepare_job, write_run_folder  # noqa: E402
 from app.parallel.sync import LocalSync  # noqa: E402
 from app.runtime.devices import WorkerEnv  # noqa: E402
-from app.runtime.interrupts import Action  # noqa: E402
+from app.runtime.interrupts import Action, NoRequests  # noqa: E402
 from app.training.trainer import Finished, Position, Trainer  # noqa: E402
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver  # noqa: E402
 from pipelines import (assert_pillows_batches, batches_of, damage_five,  # noqa: E402
@@ -211,13 +211,13 @@ def test_dali_trains_the_tiny_sample_and_resumes_bit_identically(tmp_path):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
-class FirstPoll:
-    """Requests that note which pipelines were built by the poll before the first step."""
+class FirstPoll(NoRequests):
+    """Requests that note which pipelines were built by the point before the first step."""
 
     def __init__(self, built: list):
         self.built, self.seen = built, None
 
-    def poll(self, rank, step):
+    def checkpointed(self, rank, step):
         if self.seen is None:
             self.seen = list(self.built)
         return Action()

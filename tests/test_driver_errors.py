@@ -2,7 +2,8 @@
 
 import pytest
 
-from app.launch.run import continuing_argv, main
+from app.launch.hints import continuing_argv
+from app.launch.run import main
 from app.runtime.cli import run_cli
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
 

@@ -15,7 +15,8 @@ from app.config.sources import parse_config
 from app.launch.run import prepare_job, write_run_folder
 from app.parallel.sync import LocalSync
 from app.runtime.devices import WorkerEnv
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Action
+from app.runtime.interrupts import Action, NoRequests
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import checkpoint, run_state
 from app.training.trainer import Trainer
 from conftest import REPO, TINY_TRAIN_FLAGS, run_driver
@@ -107,7 +108,7 @@ def test_sigterm_then_resume_on_the_gpu_continues(tmp_path):
     assert epochs[-1]["train/images"] == 160 and epochs[-1]["epoch"] == 2
 
 
-class SyncDebugWindow:
+class SyncDebugWindow(NoRequests):
     """Requests for the Trainer's loop: after `start` warm-up steps, any host sync inside a
     step raises; the run stops before the epoch's last step (which logs, and may sync)."""
 

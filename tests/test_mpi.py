@@ -16,7 +16,7 @@ import pytest
 from app.runtime import mpi
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from conftest import REPO
 from test_parallel import CATALOG, EXACT, one_worker_reference, relative_difference, weights  # noqa: F401
 from exact_runs import last, logged_step, metric_rows

@@ -103,13 +103,13 @@ def slow_loss(logits, targets):
 
 class Announcements(io.TextIOBase):
     """sys.stderr as it was, plus an event set when the caller's thread announces that it
-    took the interrupt ("SIGINT: saving a checkpoint after step N")."""
+    took the interrupt ("SIGINT: saving a checkpoint of the step under way")."""
 
     def __init__(self, stream):
         self.stream, self.taken = stream, threading.Event()
 
     def write(self, text: str) -> int:
-        if "saving a checkpoint after step" in text:
+        if "saving a checkpoint of the step under way" in text:
             self.taken.set()
         return self.stream.write(text)
 

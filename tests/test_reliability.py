@@ -17,7 +17,7 @@ from app.catalog.tables import load_tables
 from app.data.sampler import ShardedBatches
 from app.parallel.plans import free_port
 from app.runtime.liveness import descendants
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
 from conftest import REPO, read_line_with, run_driver, skipped_rows
 from exact_runs import (CATALOG, EXACT, SPLITS, assert_bit_identical, driver, kill_worker_after,

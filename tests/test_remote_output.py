@@ -23,7 +23,7 @@ from app.catalog import Catalog
 from app.catalog.remote_run import RemoteRunFolder, staging_folder
 from app.catalog.storage import DatasetRoot
 from app.launch.remote_output import fetched_last, run_dir
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.runtime import moments
 from app.runtime.liveness import descendants, is_alive
 from conftest import held_pid, read_line_with, run_driver, run_tool, write_catalog
@@ -288,7 +288,7 @@ def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded
         proxy.forbid_writes_now(False)
         said += read_line_with(process, "uploads work again")
         process.send_signal(signal.SIGTERM)
-        os.kill(saver, signal.SIGCONT)  # epoch 2 is left: the stop saves mid-epoch
+        os.kill(saver, signal.SIGCONT)  # epoch 1's checkpoint serves the stop, or one step more
         code, stderr = process.wait(timeout=120), said + process.stderr.read()
     finally:
         proxy.stop()
@@ -297,7 +297,7 @@ def test_writes_refused_then_allowed_again_the_run_ends_with_everything_uploaded
     refused = [line.split(" to ")[0] for line in stderr.splitlines() if "could not upload" in line]
     assert refused and len(refused) == len(set(refused))  # once per file, not per attempt
     stopped = as_checkpoint(bucket_files(s3_server, "moody")["exp/m/checkpoints/last.pt"])
-    assert 20 < stopped["step"] < 40  # saved by the stop, in epoch 2
+    assert stopped["step"] in (20, 21)  # the saver held before it said epoch 1's was whole
     assert f"after step {stopped['step']} " in stderr  # the stop's checkpoint is the bucket's
 
 

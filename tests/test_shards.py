@@ -30,7 +30,7 @@ from app.data.shard_reader import ShardSamples
 from app.data.windows import WindowedBatches
 from app.launch.run import prepare_job
 from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import preflight
 from conftest import run_driver, skipped_rows, write_catalog
 from s3 import FaultyProxy

@@ -18,7 +18,7 @@ import pytest
 
 from app.catalog.remote_run import staging_folder
 from app.parallel.plans import free_port
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from conftest import REPO, run_driver
 from exact_runs import CATALOG, EXACT, SPLITS, assert_bit_identical, driver
 from test_remote_output import as_checkpoint, bucket_files, new_bucket, wait_for_step
@@ -61,7 +61,7 @@ def test_any_sender_of_a_stop_saves_into_the_bucket_and_a_fresh_machine_ends_the
         os.kill(process.pid, stop)
     code, stderr = process.wait(timeout=90), process.stderr.read()
     if split != "torchrun":  # the ranks take the agent's signal each; its exit is torchrun's
-        assert f"{stop.name}: saving a checkpoint after step" in stderr, stderr
+        assert f"{stop.name}: saving a checkpoint of the step under way" in stderr, stderr
         assert code == PREEMPTED_EXIT_CODE, stderr
     cut = as_checkpoint(bucket_files(s3_server, bucket)["exp/g/checkpoints/last.pt"])
     assert 5 <= cut["step"] < 20 and len(cut["replicas"]) == 2

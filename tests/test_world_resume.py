@@ -22,7 +22,7 @@ from app.parallel.sync import LocalSync
 from app.parallel.plans import free_port
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import checkpoint, run_state
 from app.training.batch_layout import (BatchLayout, Saved, resumed_job, resumed_layout,
                                        split_per_worker)

@@ -8,7 +8,7 @@ import multiprocessing
 
 import numpy as np
 
-from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.stop_signals import ignore_stop_signals
 from app.runtime.liveness import die_with_parent
 from app.runtime.spawning import main_module_spawn_can_run
 

@@ -30,7 +30,8 @@ from typing import Callable, Iterable
 from app.catalog.remote_run import RemoteRunFolder, refusal
 from app.catalog.retry import REFUSED, request_errors
 from app.runtime.files import stamp
-from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.moments import moment
+from app.runtime.stop_signals import blocked, ignore_in_child
 from app.runtime.liveness import die_with_parent
 from app.runtime.spawning import main_module_spawn_can_run
 
@@ -106,7 +107,7 @@ class UploadProcess:
         self._answers, answers = context.Pipe(duplex=False)
         self._process = context.Process(target=serve, name="run-folder-upload", daemon=True,
                                         args=(self.local, remote, keep, niceness, inbox, answers))
-        with main_module_spawn_can_run():
+        with main_module_spawn_can_run(), blocked():  # no moment of its start takes a signal
             self._process.start()
         inbox.close()  # the child's alone: a send after its death fails instead of blocking
         answers.close()
@@ -150,7 +151,7 @@ def serve(local: Path, remote: RemoteRunFolder, keep: int, niceness: int, inbox:
           answers: Connection) -> None:
     """The child: upload as told, saying where it stands after each request, to Finish."""
     die_with_parent()
-    ignore_stop_signals()
+    ignore_in_child()
     os.nice(niceness)
     messages: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=receive, args=(inbox, messages), name="inbox", daemon=True).start()
@@ -288,6 +289,7 @@ class Uploader:
     def put(self, relative: str) -> None:
         stat = (self.local / relative).stat()
         started = time.monotonic()
+        moment(f"upload:{Path(relative).name}")
         self.remote.put(self.local / relative, relative)
         seconds = time.monotonic() - started
         self.busy_s += seconds

@@ -28,6 +28,7 @@ from app.data.device import ToDevice
 from app.data.pillow_pipeline import BatchRequest, ImageDataset, collate
 from app.data.pipeline import DeviceBatch, PipelineSpec, Skipped
 from app.runtime.errors import first_line
+from app.runtime.stop_signals import blocked
 
 log = logging.getLogger("imagenet_dp")
 
@@ -103,7 +104,8 @@ class DaliPipeline:
                            py_num_workers=max(1, math.ceil(spec.workers / 2)),
                            py_start_method="spawn", prefetch_queue_depth=2,
                            source=source, on_gpu=on_gpu, slots=slots)
-        self.pipe.build()
+        with blocked():  # its reader processes start with the stop signals blocked
+            self.pipe.build()
         self.next = (epoch, step)
 
     def graph(self, source: BatchSource, on_gpu: bool, slots: int) -> tuple:

@@ -22,7 +22,7 @@ from app.data.auto_augment import IDENTITY, OP_NAMES, Ops
 from app.data.decode import BadImage, open_complete, to_rgb
 from app.data.samples import open_samples
 from app.data.sampler import ShardedBatches
-from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.stop_signals import ignore_in_child
 from app.runtime.liveness import die_with_parent
 
 NATIVE = {("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "L")}  # DALI == Pillow
@@ -67,7 +67,7 @@ class BatchSource:
         die with their worker."""
         self.__dict__.update(state)
         die_with_parent()
-        ignore_stop_signals()
+        ignore_in_child()
 
     @functools.lru_cache(maxsize=2)  # pure: a permutation per epoch, not per batch
     def order(self, epoch: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from app.runtime import private_api
 from app.runtime.fork_safety import threads_fork_breaks
-from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.stop_signals import ignore_in_child
 from app.runtime.liveness import die_with_parent, is_alive
 from app.runtime.moments import moment
 
@@ -56,9 +56,9 @@ def start_method(uses_obstore: bool = True) -> str:
 
 def loader_init(index: int) -> None:
     """DataLoader's worker_init_fn: die with the worker at once (torch's check takes up to
-    5 s), and leave the stop signals to it."""
+    5 s), and leave the stop signals to it (forked with them blocked: start_loaders)."""
     die_with_parent()
-    ignore_stop_signals()
+    ignore_in_child()
     moment("loader:start")
 
 

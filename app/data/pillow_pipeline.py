@@ -30,6 +30,7 @@ from app.data.sampler import ShardedBatches
 from app.data.samples import Sample, open_samples
 from app.runtime.errors import UserError, original_error
 from app.runtime.moments import moment
+from app.runtime.stop_signals import blocked
 
 READ_AHEAD_BATCHES = 2  # per loader process: its next batches' images are fetched meanwhile
 
@@ -174,8 +175,9 @@ class PillowPipeline:
         to be thrown away."""
         if self.loader is not None and self.loader.num_workers:
             self.loader.batch_sampler.empty_pass = True
-            for _ in self.loader:  # forks the processes; the pass itself is empty
-                pass
+            with blocked():  # forked with the stop signals blocked, until each ignores them
+                for _ in self.loader:  # forks the processes; the pass itself is empty
+                    pass
             loaders.remember_processes(self.loader)
 
     def steps_per_epoch(self) -> int:
@@ -185,7 +187,8 @@ class PillowPipeline:
         self.batches.set_epoch(epoch, start_step)
         failure = None
         try:
-            batches = iter(self.loader)  # the first pass forks the processes (unless open did)
+            with blocked():  # the first pass forks the processes (unless open did)
+                batches = iter(self.loader)
             loaders.remember_processes(self.loader)
             for batch in batches:
                 yield self.on_device(batch)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import torch.nn as nn
@@ -34,9 +34,9 @@ from app.loggers import run_outputs
 from app.loggers.history import epoch_history
 from app.loggers.objects import current_logger, start_loggers
 from app.loggers.relay import deliver
-from app.parallel.launcher import Stopping
+from app.parallel.stopping import Stopping
 from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, StopRequested, caught_for_a_call
 from app.training import preflight, run_state
 from app.training.batch_layout import resumed_job
 from app.training.job import TrainJob
@@ -173,8 +173,9 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     loggers = start_loggers(logger if logger is not None else current_logger(), job.run_info(),
                             always=run_outputs(job.run_info()))
     try:
-        code = run_replicas(setup, ApiJob(job, parts, relay_queue),
-                            lambda: deliver(relay_queue, loggers))
+        with caught_for_a_call():  # the caller's own handlers (a notebook's) before and after
+            code = stopped_at_once_or(lambda: run_replicas(
+                setup, ApiJob(job, parts, relay_queue), lambda: deliver(relay_queue, loggers)))
     finally:
         deliver(relay_queue, loggers)
         loggers.finish()
@@ -182,9 +183,20 @@ def train(setup: TrainingSetup, loss: Any = None, val: Split | None = None, sche
     if last.is_file():  # the trained weights, BatchNorm statistics averaged over the replicas
         setup.model.load_state_dict(run_state.trained_weights(last))
     if code == PREEMPTED_EXIT_CODE:
-        print(f"stopped: saved {last}; continue with app.train(setup, ..., resume=True)",
+        print(f"stopped: saved {last}; continue with app.train(setup, ..., resume=True)"
+              if last.is_file() else "stopped before the first checkpoint: nothing saved",
               file=sys.stderr)
     return epoch_history(job.run_dir + "/metrics.jsonl")
+
+
+def stopped_at_once_or(run: Callable[[], int]) -> int:
+    """`run()`, or PREEMPTED_EXIT_CODE where a stop request ended it at once (asked again, or
+    before the replicas started): the run's last checkpoint stands."""
+    try:
+        return run()
+    except StopRequested as stop:
+        print(f"stopped by {stop.name} at once", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
 
 
 def run_replicas(setup: TrainingSetup, api_job: ApiJob, on_tick) -> int:

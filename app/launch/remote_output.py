@@ -19,7 +19,7 @@ from app.catalog.retry import request_errors
 from app.catalog.storage import DatasetRoot
 from app.catalog.uploader import Mirrored, UploadProcess
 from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, seconds_since_stop_signal
 from app.training.job import TrainJob
 
 log = logging.getLogger("imagenet_dp")
@@ -127,7 +127,8 @@ def finish_uploads(uploader: UploadProcess | None, code: int, stop_timeout: floa
         return code, None
     since = seconds_since_stop_signal()
     stopped = code == PREEMPTED_EXIT_CODE
-    budget = max(stop_timeout - (since or 0.0), 0.0) if stopped else FINISH_TIMEOUT_S
+    # after a stop request, whatever ended the run: what is left of --stop-timeout
+    budget = FINISH_TIMEOUT_S if since is None else max(stop_timeout - since, 0.0)
     mirrored = uploader.finish(budget)
     if not mirrored.waiting:
         log.info("run folder uploaded to %s (%.1f s of uploading in all)",

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import shlex
 import socket
 import string
 import sys
@@ -19,18 +18,17 @@ from app.catalog import skipped
 from app.catalog import Catalog
 from app.catalog.remote_run import is_url
 from app.catalog.tables import load_tables
-from app.catalog.uploader import Mirrored
 from app.config import Config, DataConfig, ParallelConfig, RunConfig
 from app.config.sources import dump_toml, parse_config
 from app.data.resolution import Resolution, resolve
-from app.launch import remote_output
+from app.launch import hints, remote_output
 from app.runtime import forkserver, slurm
 from app.runtime.devices import LaunchEnv
 from app.runtime.errors import UserError
 from app.runtime.files import write_atomically
 from app.runtime.forkserver import ByName
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE
 from app.runtime.moments import moment
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, StopRequested, caught_for_a_call
 from app.training.job import TrainJob
 
 if TYPE_CHECKING:
@@ -43,6 +41,13 @@ WORKER = ByName("app.launch.worker", "train_process")
 
 
 def main(argv: list[str]) -> int:
+    """A run, under this process's stop signals (bin/driver.py installed them at its start;
+    from a caller in Python, for this call)."""
+    with caught_for_a_call():
+        return run_main(argv)
+
+
+def run_main(argv: list[str]) -> int:
     config, _ = parse_config(argv)
     launch = LaunchEnv.from_environ(os.environ)
     config = with_job_run_name(config, launch, os.environ)
@@ -70,14 +75,18 @@ def main(argv: list[str]) -> int:
     write_run_folder(job)  # first: it also shows that the output folder is writable
     preflight.check(job, saves=primary)
     uploader, job = remote_output.start_uploads(job, primary)
-    if launch:
-        from app.launch.worker import launched_process  # noqa: PLC0415 (torch: this is a worker)
-        code = launched_process(job, launch, launched_device(devices, launch))
-    else:
-        code = run_group(job, devices, mode)
+    try:
+        if launch:
+            from app.launch.worker import launched_process  # noqa: PLC0415 (torch: a worker)
+            code = launched_process(job, launch, launched_device(devices, launch))
+        else:
+            code = run_group(job, devices, mode)
+    except StopRequested as stop:  # before the first step, or asked again: nothing more saved
+        print(f"stopped by {stop.name} at once", file=sys.stderr)
+        code = PREEMPTED_EXIT_CODE
     code, mirrored = remote_output.finish_uploads(uploader, code, job.config.run.stop_timeout)
     if code == PREEMPTED_EXIT_CODE and primary:
-        print(resume_hint(job, mirrored), file=sys.stderr)
+        print(hints.resume_hint(job, mirrored), file=sys.stderr)
     moment("driver:end")
     return code
 
@@ -209,40 +218,7 @@ def record_restart(job: TrainJob, restart: Restart) -> str:
     metrics.finish()
     if not job.resume_from:
         return "from the start (no checkpoint yet)"
-    return f"from {job.resume_from} {position(state)}"
-
-
-def resume_hint(job: TrainJob, mirrored: Mirrored | None = None) -> str:
-    """After a stop on request: where the checkpoint is and the command that continues (for a
-    run folder in a bucket: the bucket's last.pt, or the local copy its upload left)."""
-    from app.training import checkpoint  # noqa: PLC0415
-    last = job.checkpoint_dir / "last.pt"
-    state = checkpoint.load(last, mmap=True)
-    where, resume = str(last), "auto"
-    if job.output_store:
-        where, resume = remote_output.stop_hint(job.output_store, last, mirrored)
-    command = shlex.join(["python", *continuing_argv(sys.argv, job.config.run.name, resume)])
-    return f"saved {where} {position(state)}; to continue: {command}"
-
-
-def continuing_argv(argv: list[str], run_name: str, resume: str = "auto") -> list[str]:
-    """`argv` with its own --resume and --run-name (either spelling) replaced by the pair that
-    continues this run, so a resumed run's hint does not repeat them."""
-    kept, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in ("--resume", "--run-name"):
-            skip = True
-        elif not word.startswith(("--resume=", "--run-name=")):
-            kept.append(word)
-    return [*kept, "--resume", resume, "--run-name", run_name]
-
-
-def position(state: dict) -> str:
-    """Where a checkpoint stands, in words."""
-    return (f"after step {state['step']} ({state['epoch_step']} steps into epoch "
-            f"{state['epoch'] + 1})")
+    return f"from {job.resume_from} {hints.position(state)}"
 
 
 def launched_device(devices: list[str], launch: LaunchEnv) -> str:

@@ -14,8 +14,9 @@ from app.loggers.relay import RelayLogger
 from app.parallel.plans import SyncPlan, launched_plan
 from app.parallel.watch import SyncFailure, peer_loss_as_sync_failure
 from app.runtime.devices import LaunchEnv, WorkerEnv, use_device
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE, AgreedRequests
+from app.runtime.interrupts import AgreedRequests
 from app.runtime.moments import moment
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, stop_signals
 from app.training.job import TrainJob
 from app.training.parts import ConfigParts, Parts
 from app.training.trainer import Stopped, train_worker
@@ -68,19 +69,17 @@ def train_replica(job: TrainJob, env: WorkerEnv, plan: SyncPlan, cpu_workers: in
                   primary_logger: Callable[[], Logger]) -> int:
     use_device(env.device, cpu_workers)
     sync = plan.connect(env)
-    # Without a driver above the workers (one process, torchrun, srun), each process listens for
-    # signals itself and the workers agree every step.
-    own = None if plan.requests else AgreedRequests(sync, env.world_size,
-                                                    job.config.run.checkpoint_interval)
+    # Without a driver above the workers (one process, torchrun, srun), each process takes its
+    # own stop requests and the workers agree at every point.
+    requests = plan.requests or AgreedRequests(sync, env.world_size,
+                                               job.config.run.checkpoint_interval, stop_signals())
     loggers = primary_logger() if env.is_primary else NullLogger()
     try:
         if env.is_primary:
             loggers.log_config(job.config.to_dict())
-        outcome = train_worker(job, env, sync, loggers, plan.requests or own, parts)
+        outcome = train_worker(job, env, sync, loggers, requests, parts)
     finally:
         loggers.finish()
-        if own:
-            own.restore()
     sync.close()
     return PREEMPTED_EXIT_CODE if isinstance(outcome, Stopped) else 0
 

@@ -1,8 +1,9 @@
 """The process supervisor: starts the worker processes (and their sync mode's helpers) from the
 run's forkserver (app/runtime/forkserver.py) and watches them: if any dies, all others are
 stopped within seconds and the driver exits non-zero naming the process and how it ended.
-SIGINT/SIGTERM/SIGUSR1 ask the workers to save and stop, whether they reach the driver alone or
-every process of the run (children leave them to the driver, which ends them with SIGKILL).
+SIGINT/SIGTERM/SIGUSR1 are the driver's, whether they reach it alone or every process of the
+run (children ignore them); what a stop does is the stop loop's (app/parallel/stopping.py), and
+the driver ends its children with SIGKILL, which no scheduler sends as a request.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from app.runtime import forkserver
 from app.runtime.cli import end_process, kill_daemon_children
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError, first_line
-from app.runtime.interrupts import (PREEMPTED_EXIT_CODE, REPEAT_WINDOW_S, STOP_SIGNALS, Interval,
-                                    SharedRequests, ignore_stop_signals, note_stop_signal)
+from app.parallel.stopping import Stopping, StopLoop
+from app.runtime.interrupts import SharedRequests
 from app.runtime.liveness import descendants, die_with_parent, is_alive
 from app.runtime.moments import moment
 from app.runtime.spawning import main_module_spawn_can_run
+from app.runtime.stop_signals import (PREEMPTED_EXIT_CODE, ignore_in_child, raising_from,
+                                     stop_signals)
 
 log = logging.getLogger("imagenet_dp")
 STOP_GRACE_S = 3.0  # for a killed child to be reaped
@@ -49,8 +52,7 @@ def child_entry(name: str, target: Callable, args: tuple, reports: Queue,
     die_with_parent(server)
     # Ignored before unblocked: one sent to every process while this child started (blocked
     # since the fork) is dropped here; the driver got it too.
-    ignore_stop_signals()
-    forkserver.unblock_stop_signals()
+    ignore_in_child()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         code = target(*args) or 0
@@ -83,14 +85,6 @@ class Child:
     process: BaseProcess
 
 
-@dataclass(frozen=True)
-class Stopping:
-    """When the driver asks its workers to save (minutes; 0 = never) and how long it waits for
-    the checkpoint after a signal before it kills them (seconds)."""
-    checkpoint_interval: float = 0.0
-    stop_timeout: float = 0.0
-
-
 def print_failure(cause: str) -> None:
     print(f"error: {cause}; stopped the other processes", file=sys.stderr)
 
@@ -120,15 +114,17 @@ def launch(target: Callable, job: Any, devices: list[str], mode: str,
     runs += [(f"worker {rank} ({device})", target,
               (job, WorkerEnv(rank=rank, world_size=len(devices), device=device), setup.plan,
                cpu_workers)) for rank, device in enumerate(devices)]
-    try:
-        children = start_children(context, runs, reports, set(preload))
-    except forkserver.StartFailure as failure:
-        on_failure(str(failure))
-        return 1
-    log.info("started %s: %s", mode, ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
-    moment("driver:started")
-    server = forkserver.server_pid()
-    return supervise(children, reports, requests, stopping, on_failure, on_tick, server)
+    with raising_from(0):  # from the first child on, a stop is the stop loop's
+        try:
+            children = start_children(context, runs, reports, set(preload))
+        except forkserver.StartFailure as failure:
+            on_failure(str(failure))
+            return 1
+        log.info("started %s: %s", mode,
+                 ", ".join(f"{c.name} pid {c.process.pid}" for c in children))
+        moment("driver:started")
+        server = forkserver.server_pid()
+        return supervise(children, reports, requests, stopping, on_failure, on_tick, server)
 
 
 def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], reports: Queue,
@@ -136,9 +132,10 @@ def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], report
     """Each (name, target, args) in a process of its own, forked by the forkserver once it has
     imported the targets' modules and `preload`; StartFailure if the server died meanwhile."""
     preload |= {forkserver.module_of(target) for _, target, _ in runs}
-    forkserver.start(preload)
-    moment("driver:launch")
-    forkserver.context(preload)
+    with raising_from(1):  # no child yet: a stop while the server imports ends the run at once
+        forkserver.start(preload)
+        moment("driver:launch")
+        forkserver.context(preload)
     server, caller = forkserver.server_pid(), forkserver.caller_now()
     children = [Child(name, context.Process(
         target=child_entry, args=(name, target, args, reports, caller, server)))
@@ -158,77 +155,29 @@ def start_children(context: Any, runs: list[tuple[str, Callable, tuple]], report
     return children
 
 
-class StopSignals:
-    """Turns SIGINT/SIGTERM/SIGUSR1 into a flag the supervising loop acts on at once: the
-    handler also writes to a pipe that the loop waits on beside the children."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self.received_at = 0.0
-        self.count = 0
-        self.wakeup, self._notify = os.pipe()
-        for fd in (self.wakeup, self._notify):
-            os.set_blocking(fd, False)
-        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-
-    def handle(self, signum, _frame) -> None:
-        note_stop_signal()
-        now = time.monotonic()
-        # One request twice within milliseconds (REPEAT_WINDOW_S says how it comes)
-        if self.received is not None and now - self.received_at <= REPEAT_WINDOW_S:
-            return
-        self.received, self.received_at = signum, now
-        self.count += 1
-        # the pipe is full of earlier wake-ups: awake anyway
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._notify, b"!")
-
-    def clear(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.wakeup, 512):
-                pass
-
-    def name(self) -> str:
-        return signal.Signals(self.received).name
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        os.close(self.wakeup)
-        os.close(self._notify)
-
-
 def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
               stopping: Stopping, on_failure: Callable[[str], None] = print_failure,
               on_tick: Callable[[], None] | None = None, server: int | None = None) -> int:
-    """Wait for all children to finish; on the first failure stop them all. A signal asks the
-    workers to save and stop at the next step, waited for up to stop_timeout; a second signal (or
-    the timeout) stops them at once. `server`: the forkserver (the children die with it)."""
-    signals = StopSignals()
-    interval = Interval(stopping.checkpoint_interval)
-    deadline = None
-    try:
+    """Wait for all children to finish; on the first failure stop them all; a stop request is
+    the stop loop's (app/parallel/stopping.py). `server`: the forkserver (the children die
+    with it)."""
+    signals = stop_signals()
+    loop = StopLoop(requests, stopping, signals)
+    with raising_from(0):
         while True:
             running = [c.process.sentinel for c in children if c.process.exitcode is None]
             if running:
-                connection.wait([*running, signals.wakeup], timeout=POLL_S)
-                signals.clear()
+                connection.wait([*running, *([signals.wakeup] if signals else [])],
+                                timeout=POLL_S)
+                if signals:
+                    signals.clear_wakeups()
             if on_tick:
                 on_tick()
-            if signals.received and deadline is None:
-                step = requests.ask(stop=True)
-                deadline = time.monotonic() + (stopping.stop_timeout if step is not None else 0)
-                if step is not None:
-                    print(f"{signals.name()}: saving a checkpoint after step {step}, then "
-                          "stopping (send it again to stop at once)", file=sys.stderr)
-            timed_out = deadline is not None and time.monotonic() > deadline
-            if signals.count > 1 or timed_out:
+            why = loop.tick()
+            if why:
                 stop_all(children)
-                why = "" if signals.count > 1 else \
-                    f" (none within --stop-timeout {stopping.stop_timeout:g} s)"
-                print(f"stopped by {signals.name()}: ended all {len(children)} processes "
-                      f"without a new checkpoint{why}", file=sys.stderr)
-                return 128 + signals.received
+                print(loop.ended(why, f"all {len(children)} processes"), file=sys.stderr)
+                return PREEMPTED_EXIT_CODE
             if any(map(has_failed, children)):
                 # Looked at again once all are stopped: a big process killed a moment ago may
                 # still be tearing down its memory, not yet reapable, while a peer that
@@ -237,18 +186,11 @@ def supervise(children: list[Child], reports: Queue, requests: SharedRequests,
                 failed = [c for c in children if has_failed(c) and c.name not in ended]
                 code, cause = describe_failure(failed, drain(reports), server)
                 on_failure(cause)
-                # Stopped on request all the same: not a failure to retry.
-                return 128 + signals.received if signals.received else code
+                # Stopped on request all the same: the run's checkpoint is what a resume takes
+                return PREEMPTED_EXIT_CODE if signals and signals.received else code
             if not running:
                 codes = {c.process.exitcode for c in children}
                 return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else 0
-            if deadline is None and interval.due():
-                step = requests.ask(stop=False)
-                if step is not None:
-                    log.info("--checkpoint-interval %g min: saving a checkpoint after step %d",
-                             stopping.checkpoint_interval, step)
-    finally:
-        signals.restore()
 
 
 def drain(reports: Queue) -> dict[str, tuple[str, str]]:

@@ -1,18 +1,21 @@
 """--max-restarts N on one machine: after a failure (the supervisor has stopped every process),
 start the whole group again, up to N times, as torchrun's elastic agent does, from the run's
 newest checkpoint (the caller's `prepare` finds it). Only failures are retried: a user error
-(exit 2) would fail the same way again, and a stop on request (75, 128+signal) was asked for.
+(exit 2) would fail the same way again, and a stop on request (75) was asked for; a stop request
+between two starts ends the run there, its last checkpoint standing.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
+import time
 from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Callable
 
-from app.parallel.launcher import StopSignals, print_failure
+from app.parallel.launcher import print_failure
+from app.runtime.moments import moment
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, raising_from, stop_signals
 
 FAILED_EXIT_CODE = 1  # the supervisor's code for a process that died or crashed
 MAX_BACKOFF_S = 30.0
@@ -50,11 +53,10 @@ def run_with_restarts(start: Callable[[Callable[[str], None]], int], max_restart
         restart = Restart(number, max_restarts, causes[-1], backoff_s(number))
         print(f"restart {number} of {max_restarts} in {restart.backoff_s:g} s, "
               f"{prepare(restart)}", file=sys.stderr)
-        signum = wait_unless_stopped(restart.backoff_s)
-        if signum:
-            print(f"stopped by {signal.Signals(signum).name} before restart {number}",
-                  file=sys.stderr)
-            return 128 + signum
+        stopped = wait_unless_stopped(restart.backoff_s)
+        if stopped:
+            print(f"stopped by {stopped} before restart {number}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         code = start(on_failure)
     if code == FAILED_EXIT_CODE and max_restarts:
         print(f"error: gave up after {max_restarts} restart(s) (--max-restarts "
@@ -62,11 +64,14 @@ def run_with_restarts(start: Callable[[Callable[[str], None]], int], max_restart
     return code
 
 
-def wait_unless_stopped(seconds: float) -> int | None:
-    """Sleep, unless SIGINT/SIGTERM comes first: then the signal's number."""
-    signals = StopSignals()
-    try:
-        connection.wait([signals.wakeup], timeout=seconds)
-        return signals.received
-    finally:
-        signals.restore()
+def wait_unless_stopped(seconds: float) -> str:
+    """Sleep, unless a stop request comes first (or came meanwhile): then the signal's name."""
+    signals = stop_signals()
+    with raising_from(0):
+        moment("driver:restart-wait")
+        if signals is None:
+            time.sleep(seconds)
+            return ""
+        if signals.received is None:
+            connection.wait([signals.wakeup], timeout=seconds)
+        return signals.name()

@@ -18,14 +18,15 @@ from typing import Any, Callable
 import torch
 
 from app.config import ParallelConfig
-from app.parallel.launcher import Stopping, StopSignals
 from app.parallel.messages import ServerLinks
 from app.parallel.plans import LocalPlan, PsPlan
 from app.parallel.ps_server import run_server
+from app.parallel.stopping import Stopping, StopLoop
 from app.parallel.watch import Abort, SyncFailure
 from app.runtime.devices import WorkerEnv
-from app.runtime.errors import UserError
-from app.runtime.interrupts import PREEMPTED_EXIT_CODE, Interval, SharedRequests
+from app.runtime.errors import UserError, first_line
+from app.runtime.interrupts import SharedRequests
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, raising_from, stop_signals
 
 
 def in_process_requests(replicas: int) -> SharedRequests:
@@ -110,33 +111,31 @@ def run_threads(target: Callable, job: Any, devices: list[str], config: Parallel
                 stopping: Stopping = Stopping(), on_tick: Callable[[], None] = lambda: None
                 ) -> int:
     """The counterpart of launcher.launch for threads, watched from the caller's thread, which
-    calls `on_tick` every TICK_S. A stop signal (a notebook's interrupt is SIGINT) asks every
-    replica to save and stop after the same step; a second one, or --stop-timeout, stops them at
-    their next wait without a checkpoint. Returns 0, PREEMPTED_EXIT_CODE, or 128 + the signal; a
-    replica's own error is raised here, naming the replica."""
+    calls `on_tick` every TICK_S. A stop request (a notebook's interrupt is SIGINT) is the stop
+    loop's (app/parallel/stopping.py); where it ends the group, the replicas end at their next
+    wait or point, without a new checkpoint. Returns 0 or PREEMPTED_EXIT_CODE; a replica's own
+    error is raised here, naming the replica."""
     requests, abort = in_process_requests(len(devices)), Abort()
     cpu_threads = torch.get_num_threads()  # each CPU replica sets its share in its thread
-    signals = StopSignals() if threading.current_thread() is threading.main_thread() else None
+    loop = StopLoop(requests, stopping, stop_signals())
     try:
-        group = start_group(target, job, devices, config, requests, abort)
-        try:
-            watch_group(group, requests, abort, stopping, signals, on_tick)
-        except BaseException:  # the caller's own failure (a logger, a second Ctrl-C): end all
-            abort.set("stopped: the caller failed")
-            for member in group.members:
-                member.thread.join(ABORT_GRACE_S)
-            raise
+        with raising_from(0):
+            group = start_group(target, job, devices, config, requests, abort)
+            try:
+                watch_group(group, abort, loop, on_tick)
+            except BaseException:  # the caller's own failure (a logger): end all
+                abort.set("stopped: the caller failed")
+                for member in group.members:
+                    member.thread.join(ABORT_GRACE_S)
+                raise
     finally:
-        if signals:
-            signals.restore()
         torch.set_num_threads(cpu_threads)
-    return outcome(group, signals, abort)
+    return outcome(group, loop, abort)
 
 
-def watch_group(group: ThreadGroup, requests: SharedRequests, abort: Abort, stopping: Stopping,
-                signals: StopSignals | None, on_tick: Callable[[], None]) -> None:
-    interval = Interval(stopping.checkpoint_interval)
-    deadline = aborted_at = None
+def watch_group(group: ThreadGroup, abort: Abort, loop: StopLoop,
+                on_tick: Callable[[], None]) -> None:
+    aborted_at = None
     while group.running():
         group.ended.wait(TICK_S)
         group.ended.clear()
@@ -144,33 +143,31 @@ def watch_group(group: ThreadGroup, requests: SharedRequests, abort: Abort, stop
         failure = group.first_failure()
         if failure and not abort.is_set():
             abort.set(f"stopped: {failure.name} failed")
-        now = time.monotonic()
-        if signals and signals.received and deadline is None:
-            step = requests.ask(stop=True)  # None until every replica trains: asked again
-            if step is not None:
-                deadline = now + stopping.stop_timeout
-                print(f"{signals.name()}: saving a checkpoint after step {step}, then "
-                      "stopping (interrupt again to stop at once)", file=sys.stderr)
-        if signals and (signals.count > 1 or (deadline and now > deadline)):
-            abort.set(f"stopped by {signals.name()} without a new checkpoint")
+        why = loop.tick() if not abort.is_set() else None
+        if why:
+            abort.set(loop.ended(why, f"all {len(group.members)} threads"))
         if abort.is_set():
+            now = time.monotonic()
             aborted_at = aborted_at or now
             if now - aborted_at > ABORT_GRACE_S:
                 names = ", ".join(m.name for m in group.running())
                 raise SyncFailure(f"{names} did not stop within {ABORT_GRACE_S:.0f} s of "
                                   f"'{abort.reason}' (left running as daemon threads)")
-        elif deadline is None and interval.due():
-            requests.ask(stop=False)
     on_tick()
 
 
-def outcome(group: ThreadGroup, signals: StopSignals | None, abort: Abort) -> int:
+def outcome(group: ThreadGroup, loop: StopLoop, abort: Abort) -> int:
     failure = group.first_failure()
+    stopped = loop.signals is not None and loop.signals.received is not None
     if failure and failure.failed_first:
-        raise_in_caller(failure)
-    if abort.is_set() and signals and signals.received:
-        print(f"{abort.reason}: ended all {len(group.members)} threads", file=sys.stderr)
-        return 128 + signals.received
+        if not stopped:
+            raise_in_caller(failure)
+        print(f"{failure.name} failed while the run stopped: "
+              f"{first_line(failure.error, 300, with_type=True)}", file=sys.stderr)
+    if stopped:
+        if abort.is_set() and abort.reason.startswith("stopped by"):
+            print(abort.reason, file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     if failure:
         raise_in_caller(failure)
     codes = {member.result for member in group.members}

@@ -12,6 +12,7 @@ from typing import Callable, NoReturn
 
 from app.runtime.errors import USER_ERROR_EXIT_CODE, UserError
 from app.runtime.private_api import run_exit_handlers
+from app.runtime.stop_signals import PREEMPTED_EXIT_CODE, StopRequested
 
 INTERRUPTED_EXIT_CODE = 130
 
@@ -26,6 +27,9 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except StopRequested as stop:  # before the run had anything to save
+        print(f"stopped by {stop.name} before training began: nothing to save", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
 
 
 def kill_daemon_children() -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from app.runtime.errors import UserError, first_line
 from app.runtime.forkserver_init import PARENT
-from app.runtime.interrupts import STOP_SIGNALS
+from app.runtime.stop_signals import blocked
 from app.runtime.private_api import PassedFd, forkserver_restart_refused
 from app.runtime.private_api import forkserver_pid as server_pid
 from app.runtime.spawning import main_module_spawn_can_run
@@ -84,7 +84,9 @@ def start(preload: Iterable[str]) -> None:
                                 "died while it imported")
     _preloaded, _unchecked = wanted, True
     forkserver.set_forkserver_preload([GUARD, *sorted(wanted - {GUARD})])
-    with importable_as_here(), stop_signals_blocked():
+    # started with the stop signals blocked: one sent to every process of a job leaves the
+    # server alone (it ends with the driver), and forkserver_init ignores them
+    with importable_as_here(), blocked():
         forkserver.ensure_running()  # reaps a dead server first (is_running leaves it)
 
 
@@ -155,22 +157,6 @@ def importable_as_here() -> Iterator[None]:
                 del os.environ[name]
             else:
                 os.environ[name] = value
-
-
-@contextlib.contextmanager
-def stop_signals_blocked() -> Iterator[None]:
-    """Around the server's start: it inherits these signals blocked, so one sent to every
-    process of a job leaves it alone (it ends with the driver); its children unblock them.
-    Blocked, not ignored: one that reaches the driver meanwhile is delivered once this ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def unblock_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def check_preloaded(modules: list[str]) -> None:

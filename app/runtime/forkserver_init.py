@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
-from app.runtime.interrupts import ignore_stop_signals
+from app.runtime.stop_signals import ignore_in_child
 from app.runtime.liveness import die_with_parent
 
 PARENT = "IMAGENET_DP_FORKSERVER_PARENT"  # the starting process's pid, set for the server only
 
 if PARENT in os.environ:
     die_with_parent(int(os.environ.pop(PARENT)))
-    ignore_stop_signals()
+    ignore_in_child()

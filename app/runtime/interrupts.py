@@ -1,73 +1,73 @@
-"""Saving and stopping at a step every worker agrees on.
+"""Saving and stopping where every worker agrees.
 
-A signal (SIGTERM from a scheduler, SIGUSR1 before Slurm's time limit, Ctrl-C) or the
---checkpoint-interval timer asks for a checkpoint, which every worker must save at the same
-step: it gathers state from all of them. Two ways to agree:
+A stop request (a signal: app/runtime/stop_signals.py) or the --checkpoint-interval timer asks
+for a checkpoint, which every worker must save at the same place: it gathers state from all of
+them. The places are the workers' poll points, the same sequence for every worker: after each
+optimizer step ("trained": a checkpoint there holds something new) and after each whole
+checkpoint, the resumed one at the start included ("checkpointed": nothing new since). Workers
+are never more than one point apart (a step needs every worker's gradients, a checkpoint every
+worker's state), so a target one past the furthest worker is the same next point for all.
 
-- SharedRequests (the driver spawned the workers): each worker publishes every finished step in
-  shared memory; the driver, under the same lock, names the step after which everyone saves:
-  one past the furthest worker. Workers are never more than one step apart (each step needs
-  every worker's gradients), so nobody has passed it.
+One rule for a stop, at every moment: where a step was trained since the last checkpoint, save
+it, then stop; where none was (starting, resuming, just saved), stop at once, the last
+checkpoint standing. Either way the run ends with PREEMPTED_EXIT_CODE.
+
+- SharedRequests (the driver started the workers, as processes or threads): each worker
+  publishes the point it passed in shared memory; the driver, under the same lock, names the
+  target, or, with nothing new to save, ends the group itself.
 - AgreedRequests (one process, or a launcher with no driver above the workers): each process
-  notices its own signals and timer, and the workers combine their wishes every step.
+  notices its own requests, and the workers combine their wishes at every point.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; resume to go on
-# SIGUSR1 (Slurm's `--signal=USR1@SECONDS`) means what a preemption's SIGTERM does: save, stop.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# One request may reach a process twice within milliseconds (slurmstepd signals every process
-# of the step, and srun or torchrun forwards its own): only a later signal is a second one.
-REPEAT_WINDOW_S = 1.0
+from app.runtime.stop_signals import StopSignals
+
+NOT_STARTED = -1
 
 
-# When this process got its first stop signal (time.monotonic()), which --stop-timeout counts
-# from (the checkpoint, then its upload). Signals reach a process, not an object: a global.
-_FIRST_STOP_SIGNAL: list[float] = []
+def trained_point(step: int) -> int:
+    return 2 * step
 
 
-def note_stop_signal() -> None:
-    """Called by every stop-signal handler of this process."""
-    if not _FIRST_STOP_SIGNAL:
-        _FIRST_STOP_SIGNAL.append(time.monotonic())
-
-
-def seconds_since_stop_signal() -> float | None:
-    """How long ago the first stop signal came (None: none came)."""
-    return time.monotonic() - _FIRST_STOP_SIGNAL[0] if _FIRST_STOP_SIGNAL else None
-
-
-def ignore_stop_signals(*_: object) -> None:
-    """In a loader process: Slurm signals every process of a job step, and a loader killed by
-    them would fail the worker's next batch before it has saved; the worker stops its loaders
-    itself. (Also a DataLoader worker_init_fn: it is called with the loader's index.)"""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+def checkpointed_point(step: int) -> int:
+    return 2 * step + 1
 
 
 @dataclass(frozen=True)
 class Action:
     save: bool = False
-    stop: bool = False  # implies save
+    stop: bool = False  # at a trained point: save first (a stop's checkpoint)
 
 
 class Requests(Protocol):
     def poll(self, rank: int, step: int) -> Action:
-        """Called by every worker after every step (and once before the first)."""
+        """After every optimizer step (`step` steps done)."""
+
+    def checkpointed(self, rank: int, step: int) -> Action:
+        """After a checkpoint of step `step` is whole (on the primary: written), and once at
+        the start, before the first step (the resumed step, or 0)."""
+
+    def stop_pending(self) -> bool:
+        """Whether a stop was asked for (an evaluation under way leaves off)."""
 
 
 class NoRequests:
     def poll(self, rank: int, step: int) -> Action:
         return Action()
 
+    def checkpointed(self, rank: int, step: int) -> Action:
+        return Action()
 
-class Interval:
+    def stop_pending(self) -> bool:
+        return False
+
+
+class Every:
     """Due every `minutes` (never for 0)."""
 
     def __init__(self, minutes: float):
@@ -82,68 +82,83 @@ class Interval:
 
 
 class SharedRequests:
-    """Made by the driver before it spawns the workers; passed to each of them."""
-
-    NOT_STARTED = -1
+    """Made by the driver before it starts the workers; passed to each of them."""
 
     def __init__(self, context: Any, world_size: int):
         self.lock = context.Lock()
-        self.finished = context.RawArray("q", [self.NOT_STARTED] * world_size)
-        self.save_at = context.RawValue("q", -1)
-        self.stop_at = context.RawValue("q", -1)
+        self.points = context.RawArray("q", [NOT_STARTED] * world_size)
+        self.save_at = context.RawValue("q", NOT_STARTED)
+        self.stop_at = context.RawValue("q", NOT_STARTED)
 
     # --- driver side ---
     def ask(self, stop: bool) -> int | None:
-        """Schedule a save (and a stop); returns the step, or None when the workers have not
-        all started training yet (nothing new to save) or a save is still pending."""
+        """Schedule a save (and a stop): the step whose checkpoint it will be. None: nothing
+        to save (for a stop: every worker is still starting, or none trained a step since the
+        last whole checkpoint, so the caller ends the group now and that checkpoint stands;
+        for a save: also while the previous one is pending)."""
         with self.lock:
-            finished = list(self.finished)
-            if min(finished) == self.NOT_STARTED:
-                return None
+            points = list(self.points)
+            furthest = max(points)
+            target = furthest + 1
+            nothing_new = min(points) == NOT_STARTED or (
+                furthest % 2 == 1 and points[0] == furthest)  # the primary wrote it last
             if stop:
-                if self.stop_at.value < 0:
-                    self.stop_at.value = max(finished) + 1
-                return self.stop_at.value
-            if self.save_at.value > min(finished) or self.stop_at.value >= 0:
-                return None  # the previous save has not happened everywhere yet
-            self.save_at.value = max(finished) + 1
-            return self.save_at.value
+                if self.stop_at.value == NOT_STARTED:
+                    self.stop_at.value = target  # late workers stop at their first point
+                return None if nothing_new else self.stop_at.value // 2
+            if nothing_new or self.save_at.value > min(points) or \
+                    self.stop_at.value != NOT_STARTED:
+                return None
+            self.save_at.value = target
+            return (target + 1) // 2  # the first trained point at or after the target
 
     # --- worker side ---
     def poll(self, rank: int, step: int) -> Action:
+        return self._passed(rank, trained_point(step))
+
+    def checkpointed(self, rank: int, step: int) -> Action:
+        return Action(stop=self._passed(rank, checkpointed_point(step)).stop)
+
+    def stop_pending(self) -> bool:
+        return self.stop_at.value != NOT_STARTED
+
+    def _passed(self, rank: int, point: int) -> Action:
+        """Acts on a target the first time a point reaches it: the same point on every worker."""
         with self.lock:
-            self.finished[rank] = step
+            previous, self.points[rank] = self.points[rank], point
             save_at, stop_at = self.save_at.value, self.stop_at.value
-        return Action(save=step in (save_at, stop_at), stop=step == stop_at)
+        return Action(save=save_at != NOT_STARTED and previous < save_at <= point,
+                      stop=stop_at != NOT_STARTED and previous < stop_at <= point)
 
 
 class AgreedRequests:
-    """This process's first stop signal is a stop request; a second one stops at once
-    (KeyboardInterrupt), unless within REPEAT_WINDOW_S of the first: the same request twice."""
+    """This process's own requests (its StopSignals; the --checkpoint-interval timer), agreed
+    with the other workers at every point. From the first point on, a first request waits for
+    the point; a second one raises at once. `signals` None: a thread without them."""
 
-    def __init__(self, sync: Any, world_size: int, interval_minutes: float):
+    def __init__(self, sync: Any, world_size: int, interval_minutes: float,
+                 signals: StopSignals | None):
         self.sync = sync
         self.world_size = world_size
-        self.interval = Interval(interval_minutes)
-        self.received: int | None = None
-        self.received_at = 0.0
-        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-
-    def handle(self, signum: int, _frame: Any) -> None:
-        now = time.monotonic()
-        note_stop_signal()
-        if self.received is None:
-            self.received, self.received_at = signum, now
-        elif now - self.received_at > REPEAT_WINDOW_S:
-            raise KeyboardInterrupt
+        self.interval = Every(interval_minutes)
+        self.signals = signals
+        self.started = False
 
     def poll(self, rank: int, step: int) -> Action:
-        wishes = (self.received is not None, self.interval.due())
+        stop, save = self._agreed((self.stop_pending(), self.interval.due()))
+        return Action(save=save, stop=stop)
+
+    def checkpointed(self, rank: int, step: int) -> Action:
+        if not self.started and self.signals is not None:
+            self.started = True  # from here a first request waits for the next point
+            self.signals.raise_from = 2
+        (stop,) = self._agreed((self.stop_pending(),))
+        return Action(stop=stop)
+
+    def stop_pending(self) -> bool:
+        return self.signals is not None and self.signals.received is not None
+
+    def _agreed(self, wishes: tuple[bool, ...]) -> tuple[bool, ...]:
         if self.world_size > 1:
             wishes = tuple(map(any, zip(*self.sync.gather(wishes))))
-        stop, save = wishes
-        return Action(save=save or stop, stop=stop)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+        return wishes

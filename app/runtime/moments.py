@@ -7,9 +7,12 @@ there, or read what it has imported by then; without these variables a moment co
 - IMAGENET_DP_IMPORTS_DIR=FOLDER: at each moment the process writes the packages outside the
   standard library it has imported to FOLDER/NAME.PID.imports (tests/test_imports.py).
 
-The moments (grep `moment("`): driver:launch, driver:started, driver:end, server:start,
-server:registered, worker:start, worker:first-batch, worker:end, loader:start, loader:batch,
-checkpoint:saved. Imports nothing of app/.
+The moments (grep `moment(`): driver:importing, driver:launch, driver:started,
+driver:restart-wait, driver:end, server:start, server:registered, worker:start,
+worker:building-model, worker:resuming, worker:starting-loaders, worker:first-batch,
+worker:step-N (after optimizer step N), worker:evaluating, worker:end, loader:start,
+loader:batch, checkpoint:saving, checkpoint:saved, upload:FILE-NAME (the upload process,
+before it puts that file). Imports nothing of app/.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Top-1/top-5 over the whole validation set: every image counted once, counts summed across
-workers (never averages of averages). Optionally with flip test-time augmentation."""
+workers (never averages of averages). Optionally with flip test-time augmentation. A stop
+request leaves an evaluation off (the run saves what it trained instead): each worker looks
+between its batches, and the one reduction at the end tells every worker whether any left off,
+so all agree."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch.nn as nn
 
 from app.data.pipeline import DeviceBatch, Skipped
 from app.parallel.sync import GradientSync
+from app.runtime.moments import moment
 from app.training.precision import Precision
 
 
@@ -34,16 +38,22 @@ def mirror_averaged_logits(model: nn.Module, images: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precision,
              sync: GradientSync, on_skipped: Callable[[list[Skipped]], None] | None = None,
-             flip_tta: bool = False) -> dict:
+             flip_tta: bool = False, should_stop: Callable[[], bool] = lambda: False
+             ) -> dict | None:
     """Metrics over the whole val set; this worker's unreadable images go to `on_skipped`.
     `flip_tta`: rate each image by its mean logits with its mirror. Sums stay on the device until
-    the one reduction at the end; image counts are known on the host."""
+    the one reduction at the end; image counts are known on the host. None: left off, on every
+    worker, because `should_stop()` said so on one."""
+    moment("worker:evaluating")
     model.eval()
     device = precision.device
     correct = torch.zeros(2, dtype=torch.float64, device=device)  # top-1, top-5
     loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    images = skipped = 0
+    images = skipped = left_off = 0
     for batch in batches:
+        if should_stop():
+            left_off = 1
+            break
         skipped += len(batch.skipped)
         if on_skipped and batch.skipped:
             on_skipped(batch.skipped)
@@ -55,9 +65,11 @@ def evaluate(model: nn.Module, batches: Iterable[DeviceBatch], precision: Precis
         loss_sum += nn.functional.cross_entropy(logits.float(), batch.labels, reduction="sum")
         correct += correct_counts(logits, batch.labels)
         images += len(batch)
-    counts = torch.tensor([images, skipped], dtype=torch.float64).to(device)
-    correct1, correct5, loss, count, skipped = sync.sum_across_workers(
+    counts = torch.tensor([images, skipped, left_off], dtype=torch.float64).to(device)
+    correct1, correct5, loss, count, skipped, left_off = sync.sum_across_workers(
         torch.cat([correct, loss_sum, counts])).tolist()
+    if left_off:
+        return None
 
     def mean(total: float) -> float:  # NaN when every val image was skipped: nothing to rate
         return total / count if count else float("nan")

@@ -24,6 +24,7 @@ import torch.nn as nn
 from app.parallel.sync import GradientSync
 from app.runtime.devices import WorkerEnv
 from app.runtime.errors import UserError
+from app.runtime.moments import moment
 from app.training import batch_layout, checkpoint
 from app.training.batch_layout import BatchLayout, Saved
 from app.training.ema import ModelEma
@@ -48,6 +49,7 @@ def save(state: dict, sync: GradientSync, env: WorkerEnv, job: TrainJob, best: b
                "class_words": list(job.tables.descriptions),
                "config": job.config.to_dict(), "run_id": job.run_id,
                "batch": batch_layout.record(job, env.world_size)}
+    moment("checkpoint:saving")
     folder = checkpoint.CheckpointFolder(job.checkpoint_dir, job.config.run.keep_checkpoints,
                                          announce=job.uploads.saved if job.uploads else None)
     return folder.save(payload, state["step"], best=best)

@@ -4,15 +4,15 @@ optimizer, schedule and loss come from `parts` (parts.py: the config's, or a Pyt
 
 The loop reads top to bottom: fetch a batch, step, log every print_freq steps, poll for a
 save/stop request. Everything parallel hides behind `sync` (app/parallel/__init__.py shows the
-calls), numerics behind `precision`, stop and save requests behind `requests`. Losses stay on
-the device and are fetched once per print interval.
+calls), numerics behind `precision`, stop and save requests behind `requests` (polled after
+every step and every whole checkpoint: app/runtime/interrupts.py). Losses stay on the device and
+are fetched once per print interval.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,32 +36,13 @@ from app.training.optim import clip_gradients, restore_scheduler
 from app.training.pace import INPUT_BOUND, Interval, Pace, input_bound_warning
 from app.training.parts import ConfigParts, Parts, seeded_model
 from app.training.precision import Precision
+from app.training.progress import Finished, Outcome, Position, Stopped
 from app.training.speed import (CompiledForFullBatches, compile_enabled, configure_backends,
                                 report_compile_time)
 from app.training.tally import Tally
 from app.training.worker_pipelines import build_pipelines
 
 log = logging.getLogger("imagenet_dp")
-
-
-@dataclass
-class Position:
-    epoch: int = 0  # epochs completed
-    epoch_step: int = 0  # optimizer steps done in the current epoch (non-zero: mid-epoch)
-    step: int = 0  # optimizer steps taken
-
-
-@dataclass(frozen=True)
-class Finished:
-    metrics: dict  # the last epoch's metrics (or the evaluation's)
-
-
-@dataclass(frozen=True)
-class Stopped:
-    step: int  # stopped on request after this step, with a checkpoint saved
-
-
-Outcome = Finished | Stopped
 
 
 def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logger,
@@ -71,6 +52,7 @@ def train_worker(job: TrainJob, env: WorkerEnv, sync: GradientSync, logger: Logg
     trainer = Trainer(job, env, sync, logger, requests or NoRequests(), parts)
     try:
         if job.resume_from:
+            moment("worker:resuming")
             trainer.load_state_dict(run_state.load(job, env))
         return Finished(trainer.evaluate_and_log()) if job.config.run.evaluate else trainer.fit()
     except BaseException:
@@ -90,6 +72,7 @@ class Trainer:
         self.precision = Precision.from_config(config.train.amp, config.train.channels_last,
                                                env.device, config.train.dtype)
         configure_backends(self.precision.device, config.train.cudnn_benchmark, config.train.tf32)
+        moment("worker:building-model")
         model = self.precision.prepare_model(seeded_model(parts, job, config.train.seed))
         self.train_data, self.val_data = build_pipelines(job, env, self.precision)
         self.accumulation = Accumulation(config.train.accum_steps,
@@ -110,6 +93,7 @@ class Trainer:
         self.epoch_sums = Tally(self.precision.device)
         self.interval = Tally(self.precision.device)
         self.pace = Pace()
+        self.steps_this_epoch = 0  # optimizer steps of the current epoch this session trained
         self.skipped = SkippedLog(job.run_dir)
         if env.is_primary and not config.run.evaluate:
             preflight.check_room_for_checkpoints(job, model)
@@ -173,13 +157,19 @@ class Trainer:
     def fit(self) -> Outcome:
         self.open_pipelines()
         moment("worker:first-batch")
-        self.requests.poll(self.env.rank, self.position.step)  # tells the driver we train
-        metrics: dict = {}
+        # The start is a checkpointed point: a stop asked for by now trains nothing, and the
+        # checkpoint this worker resumed from (if any) stands.
+        if self.requests.checkpointed(self.env.rank, self.position.step).stop:
+            return Stopped(self.position.step)
+        metrics: dict | None = {}
         while self.position.epoch < self.job.config.train.epochs:
             whole = self.position.epoch_step == 0  # not resumed in its middle
             if not self.train_epoch():
                 return Stopped(self.position.step)
             metrics = self.end_epoch(whole)
+            if metrics is None or self.requests.checkpointed(self.env.rank,
+                                                             self.position.step).stop:
+                return Stopped(self.position.step)
         return Finished(metrics)
 
     def open_pipelines(self) -> None:
@@ -187,6 +177,7 @@ class Trainer:
         for: out of memory then ends the run before its first step, not at the first evaluation,
         after training has grown torch's allocator."""
         if self.position.epoch < self.job.config.train.epochs:
+            moment("worker:starting-loaders")
             self.train_data.open(self.position.epoch,
                                  self.accumulation.first_batch(self.position.epoch_step))
             self.val_data.open(0)
@@ -198,6 +189,7 @@ class Trainer:
         steps = self.accumulation.steps_per_epoch
         size = self.job.resolution.train.at(epoch)
         self.pace.start_epoch()
+        self.steps_this_epoch = 0
         for batch, micro, last in self.pace.batches(self.accumulation.epoch(
                 self.train_data, epoch, self.position.epoch_step)):
             self.lr = lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -214,15 +206,18 @@ class Trainer:
                 continue
             self.position.step += 1
             self.position.epoch_step += 1
+            self.steps_this_epoch += 1
             if self.ema:
                 self.ema.after_step(self.position.epoch_step - 1, self.position.step)
             if self.position.epoch_step % print_freq == 0 or self.position.epoch_step == steps:
                 self.log_interval(lr, self.pace.end_interval())
+            moment(f"worker:step-{self.position.step}")
             action = self.requests.poll(self.env.rank, self.position.step)
-            if action.save:
+            if action.save or action.stop:  # a trained point: the save holds this step
                 self.save()
-            if action.stop:
-                return False
+                if action.stop or self.requests.checkpointed(self.env.rank,
+                                                             self.position.step).stop:
+                    return False
         return True
 
     def train_step(self, batch: DeviceBatch, micro: int = 0, last: bool = True
@@ -269,30 +264,38 @@ class Trainer:
             "progress/epoch_steps": self.accumulation.steps_per_epoch,
             "progress/epoch_time_s": interval.epoch_seconds})
 
-    def end_epoch(self, whole: bool) -> dict:
-        """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics."""
+    def end_epoch(self, whole: bool) -> dict | None:
+        """Average BatchNorm statistics, evaluate, save and log: the epoch's metrics. None: a
+        stop request came during the evaluation, which was left off; the epoch's trained steps
+        are saved unevaluated (a resume evaluates them)."""
         data_wait = self.pace.epoch_data_wait()  # of the training, before the evaluation
         trained_s = self.pace.epoch_seconds()  # a resumed epoch: since the resume
         if self.env.is_primary and data_wait > INPUT_BOUND:
             data = self.job.config.data
             log.warning(input_bound_warning(self.position.epoch + 1, data_wait, data.workers,
                                             resolve_decoder(data.decoder, self.precision.device)))
+        for model in self.replica_models().values():
+            self.sync.average_buffers(model)
+        val = self.evaluate(should_stop=self.requests.stop_pending)
+        if val is not None and self.ema:  # the same images: counts and skips are the raw pass's
+            ema = self.evaluate(self.ema.module, record_skipped=False,
+                                should_stop=self.requests.stop_pending)
+            val = None if ema is None else val | {
+                f"val_ema/{key}": ema[f"val/{key}"] for key in ("top1", "top5", "loss")}
+        if val is None:
+            self.save()
+            return None
         self.interval.move_into(self.epoch_sums)
         loss_sum, images, skipped = self.sync.sum_across_workers(
             self.epoch_sums.as_tensor()).tolist()  # one reduction per epoch
         self.epoch_sums = Tally(self.precision.device)
-        for model in self.replica_models().values():
-            self.sync.average_buffers(model)
-        val = self.evaluate()
-        if self.ema:  # the same images: their counts and skips are the raw pass's
-            ema = self.evaluate(self.ema.module, record_skipped=False)
-            val |= {f"val_ema/{key}": ema[f"val/{key}"] for key in ("top1", "top5", "loss")}
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
         metrics = {"epoch": self.position.epoch, "train/epoch_loss": loss_sum / max(images, 1),
                    "train/images": int(images), "train/skipped": int(skipped),
                    "train/epoch_lr": getattr(self, "lr", 0.0),  # its last step's
-                   "train/epoch_images_per_sec": images / trained_s,
                    "train/image_size": self.job.resolution.train.at(self.position.epoch - 1), **val}
+        if self.steps_this_epoch:  # a resume at the epoch's end trained none of it here
+            metrics["train/epoch_images_per_sec"] = images / trained_s
         path = self.save(top1=self.best_of(metrics))
         metrics |= {"epoch/time_s": self.pace.end_epoch(whole), "epoch/data_wait": data_wait}
         left = self.pace.remaining_s(self.job.config.train.epochs - self.position.epoch)
@@ -318,14 +321,15 @@ class Trainer:
             return ema_top1
         return top1
 
-    def evaluate(self, model: torch.nn.Module | None = None, record_skipped: bool = True
-                 ) -> dict:
-        """The val metrics of the trained model, or of `model` (the EMA's)."""
+    def evaluate(self, model: torch.nn.Module | None = None, record_skipped: bool = True,
+                 should_stop=lambda: False) -> dict | None:
+        """The val metrics of the trained model, or of `model` (the EMA's); None where a stop
+        request (`should_stop`) left it off."""
         epoch = self.position.epoch + 1  # the epoch this evaluation ends
         return evaluate(model or self.model, self.val_data.epoch(0), self.precision, self.sync,
                         on_skipped=(lambda images: self.skipped.add(epoch, "val", images))
                         if record_skipped else None,
-                        flip_tta=self.job.config.augment.val_flip_tta)
+                        flip_tta=self.job.config.augment.val_flip_tta, should_stop=should_stop)
 
     def evaluate_and_log(self) -> dict:
         if self.job.config.run.use_ema:
