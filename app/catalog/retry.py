@@ -31,7 +31,6 @@ OBSTORE_RETRY = {"max_retries": ATTEMPTS - 1,
                  "backoff": {"init_backoff": timedelta(seconds=WAITS_S[0]),
                              "max_backoff": timedelta(seconds=WAITS_S[-1]), "base": 2}}
 
-REFUSED = (PermissionError, FileNotFoundError)  # 403, no such bucket or key: no try changes them
 # What the clients raise for a failed request, looked up only where the client is loaded.
 CLIENT_ERRORS = {"botocore.exceptions": ("BotoCoreError", "ClientError"),
                  "aiohttp": ("ClientError",), "obstore.exceptions": ("BaseError",),

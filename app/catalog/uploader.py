@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from app.catalog.remote_run import RemoteRunFolder, refusal
-from app.catalog.retry import REFUSED, request_errors
+from app.catalog.retry import DENIED, MISSING, failure, request_errors
 from app.runtime.files import stamp
 from app.runtime.moments import moment
 from app.runtime.stop_signals import blocked, ignore_in_child
@@ -329,7 +329,8 @@ class Uploader:
         """Said once per file; tried again after RETRY_WAITS_S (after Finish: not if refused)."""
         count = self.failures.get(item, 0)
         self.failures[item] = count + 1
-        refused = self.deadline is not None and isinstance(error, REFUSED)  # it would wait it out
+        # refused (403, no such bucket): no try changes that, and after Finish none waits it out
+        refused = self.deadline is not None and failure(error).kind in (MISSING, DENIED)
         self.retry_at[item] = float("inf") if refused else \
             time.monotonic() + RETRY_WAITS_S[min(count, len(RETRY_WAITS_S) - 1)]
         kept = "; the bucket's last.pt still names the checkpoint it named before"
