@@ -5,7 +5,6 @@
     python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu  # gradient sync modes
     python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # readers
     python3 bin/bench.py gpu-check --budget 600                   # prove a GPU machine
-    python bin/bench.py upload-lag --json upload_lag.json         # save -> bucket's last.pt
 """
 
 import sys

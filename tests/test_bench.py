@@ -325,30 +325,3 @@ def test_peers_give_timm_our_precision_on_a_cpu(tmp_path, monkeypatch, native_bf
     ours = " ".join(commands["ours"])
     assert ("--amp --amp-dtype bfloat16" in ours, "--channels-last" in ours) == (native_bf16,) * 2
     assert "--amp" not in commands["own"] and "--channels-last" not in commands["own"]
-
-
-def test_upload_lag_bench_times_a_save_to_the_buckets_last_pt(tmp_path):
-    """A 2 MB checkpoint through the real upload process to moto_server, idle and beside one
-    load process: the bucket's last.pt holds each save's bytes, each lag covers the uploader's
-    own upload of the step file, and the load's rates give the slowdown in the table."""
-    report = tmp_path / "upload_lag.json"
-    result = bench("upload-lag", "--size-mb", "2", "--repeats", "1", "--nicenesses", "19",
-                   "--loads", "1", "--window", "1", "--json", str(report))
-    assert result.returncode == 0, result.stderr
-    data = json.loads(report.read_text())
-    [row] = data["rows"]
-    assert row["niceness"] == 19 and len(row["idle"]) == len(row["loaded"]) == 1
-    saves = row["idle"] + row["loaded"]
-    assert 2e6 < saves[0]["bytes"] < saves[1]["bytes"] < 2.1e6  # each save names itself
-    for save in saves:
-        assert save["sha256_last_pt"] == save["sha256_saved"]
-        assert 0 < save["lag_s"] < 60
-        assert 0 <= save["upload_s"] <= save["lag_s"] + 0.05  # the uploader's line, rounded
-    idle, loaded = row["idle"][0], row["loaded"][0]
-    assert idle["rate_before"] is None and loaded["rate_before"] > 0 < loaded["rate_during"]
-    assert row["work_slowdown"] == loaded["rate_before"] / loaded["rate_during"]
-    assert row["loaded_over_idle"] == loaded["lag_s"] / idle["lag_s"]
-    for save in saves:  # moto_server stored 2 MB twice (step file, last.pt): CPU of its own
-        assert 0 <= save["upload_cpu_share"] < 1 and 0 < save["bucket_cpu_share"] < 1
-    assert row["slowdown_by_the_upload_alone"] == 1 / (1 - loaded["upload_cpu_share"])
-    assert "loaded/idle" in result.stdout and "by upload" in result.stdout  # the table

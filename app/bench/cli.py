@@ -12,7 +12,6 @@ from typing import Callable
 
 from app.bench.gpu_check_cli import add_gpu_check, add_photos
 from app.bench.peers_cli import add_peers, peers_run
-from app.bench.upload_lag_cli import add_upload_lag, upload_lag_setup
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
@@ -32,7 +31,6 @@ EXAMPLES = """examples:
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
-  python bin/bench.py upload-lag --json upload_lag.json   # save -> bucket's last.pt, busy cores
   python bin/bench.py photos pack ~/imagenette   # real photos in parts; `photos receive` there
 """
 
@@ -175,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
     add_peers(commands, shared)
-    add_upload_lag(commands)
     add_photos(commands)
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
         sub.add_argument("--json", help="also write the report to this file")
@@ -284,9 +281,6 @@ def main(argv: list[str]) -> int:
     elif args.command == "peers":
         from app.bench import peers as bench  # noqa: PLC0415
         report = bench.run(*peers_run(args, build_parser().error), save)
-    elif args.command == "upload-lag":
-        from app.bench import upload_lag as bench  # noqa: PLC0415
-        report = bench.run(upload_lag_setup(args, build_parser().error), save)
     elif args.command == "photos":
         from app.bench import photo_parts as bench  # noqa: PLC0415
         report = bench.pack(Path(args.source), Path(args.out), args.shorter_side,
