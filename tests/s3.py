@@ -7,8 +7,10 @@ import asyncio
 import json
 import random
 import re
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -17,17 +19,59 @@ import boto3
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also the proxy's own script
-from app.bench.loopback_s3 import MotoServer as LoopbackS3  # noqa: E402
-from app.bench.loopback_s3 import free_port, wait_for_port  # noqa: E402
+from app.parallel.plans import free_port  # noqa: E402
 
 # Dummy credentials for the standard AWS chain; tests assert they never reach run outputs.
 ACCESS_KEY = "AKIAIMAGENETDPTEST01"
 SECRET_KEY = "imagenet-dp-test-secret-must-never-be-logged"
+START_TIMEOUT_S = 30.0  # moto imports boto and flask: seconds on a busy machine
+STOP_TIMEOUT_S = 10.0
 
 
-class MotoServer(LoopbackS3):
-    """`moto_server` in its own process (app/bench/loopback_s3.py), with the tests' client and
-    uploads."""
+def wait_for_port(port: int, timeout: float = START_TIMEOUT_S,
+                  process: subprocess.Popen | None = None) -> None:
+    """Until something listens on 127.0.0.1:`port`; with `process`, fails at once when that
+    process has ended (a server that cannot start says so without the whole wait)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the process for port {port} ended with exit code "
+                               f"{process.returncode} before it listened")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+class MotoServer:
+    """`moto_server` (a real S3 endpoint: HTTP, multipart uploads, copies) in its own process
+    on http://127.0.0.1:PORT, stopped by stop(); with the tests' client and uploads. Needs
+    `pip install 'moto[server]'`."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(self.port, process=self.process)
+        except RuntimeError as error:
+            self.stop()
+            raise RuntimeError(f"moto_server did not start ({error}); it needs "
+                               "pip install 'moto[server]'") from None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=STOP_TIMEOUT_S)
 
     def client(self):
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
