@@ -6,7 +6,6 @@ itself on a machine without a GPU: it says so, with the parts that run anywhere.
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -17,16 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import gpu_check, gpu_tests, imagenette, peer_main, peers, photo_parts
-from app.bench.cli import build_parser
+from app.bench import gpu_check, gpu_tests, imagenette, peer_main, peers
+from app.bench.cli import build_parser, peers_run
 from app.bench.part_runner import (MIN_PART_S, STOP_S, Part, Paths, part_environment, run_parts,
                                    sized, time_for)
 from app.bench.part_summaries import imagenette_lines
-from app.catalog.shrink import shrink
 from app.config.sources import parse_config
 from app.models.factory import create_model_from_config
 from app.models.xse_resnext_mini import XSEResNeXtMini
-from app.runtime.errors import UserError
 from conftest import REPO
 from test_bench import bench
 
@@ -111,25 +108,26 @@ def test_the_budget_is_shared_out_and_a_part_without_any_is_not_started(tmp_path
 
 
 def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
-    """The real parts in the default budget: each part up to the gpu tests gets its whole
-    deadline when every one before it runs to its own; the tests get their reserved slice
-    even when each part before them also takes STOP_S to be killed (those at the end of the
-    line get less); the extras come after the tests."""
-    parts = gpu_check.chosen("", gpu_check.BUDGET_S)
+    """The real parts in the default budget and in the smallest that holds them (600 s): each
+    part up to the gpu tests gets its whole deadline when every one before it runs to its own;
+    the tests get theirs even when each part before them also takes STOP_S to be killed (those
+    at the end of the line get less); the extras come after the tests."""
+    parts = gpu_check.chosen("", 600)
     tests = [p.name for p in parts].index("gpu_tests")
     assert parts[tests].reserved_s >= 60 and parts[tests].deadline_s == parts[tests].reserved_s
+    assert sum(p.deadline_s for p in parts[:tests + 1]) + STOP_S == 600
     assert [p.name for p in parts[:tests]] == ["probe", "imagenette", "prepare", "gpus_ps",
                                                "e2e"]
     assert [p.name for p in parts[tests + 1:]] == [
         "gpus_allreduce", "sync_regions", "dali_memory", "model", "model_steps", "sync_whole",
         "threads", "threads_per_gpu", "start"]
-    assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S
-    for late_by in (0.0, STOP_S):
-        left = gpu_check.BUDGET_S
+    assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S == 1800
+    for budget, late_by in ((600, 0.0), (600, STOP_S), (gpu_check.BUDGET_S, STOP_S)):
+        parts, left = gpu_check.chosen("", budget), budget
         for index, part in enumerate(parts[:tests + 1]):
             given = time_for(parts, index, left)
-            if late_by == 0.0 or index == tests:
-                assert given == part.deadline_s, (part.name, late_by)
+            if late_by == 0.0 or index == tests or budget == gpu_check.BUDGET_S:
+                assert given == part.deadline_s, (part.name, budget, late_by)
             if given >= MIN_PART_S:  # else it is not started
                 left -= given + late_by
 
@@ -159,19 +157,22 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
             config, _ = parse_config(command[2:])
             assert config.run.output_dir.startswith(str(paths.work))  # not into --out
         elif script == "app.bench.imagenette":
-            imagenette_runs_accept_their_flags(imagenette.parser().parse_args(command[3:]),
-                                               paths)
+            imagenette_runs_accept_their_flags(command[3:], paths)
         else:
             assert script in ("app.bench.probe", "app.bench.dali_reserve", "pytest"), part.name
 
 
-def imagenette_runs_accept_their_flags(row, paths: Paths) -> None:
-    """The row as published, on the photos in --work: our driver's command parses to the
-    config's recipe, the 2020 holder's (its SE-ResNeXt, built here, Ranger, batch 32, the
-    shorter-side crop at 128 px throughout), the peer's to torchvision's ResNet-50."""
-    assert (row.copy, row.seeds, row.device, row.target) == (
-        str(paths.work / "imagenette"), "0,1,2", "cuda:0", 0.8577)
-    setup = imagenette.setup_of(row)
+def imagenette_runs_accept_their_flags(argv: list[str], paths: Paths) -> None:
+    """The row as published, on fast.ai's archive (the user's copy with IMAGENETTE_ROOT): our
+    driver's command parses to the config's recipe, the 2020 holder's (its SE-ResNeXt, built
+    here, Ranger, batch 32, the shorter-side crop at 128 px throughout), the peer's to
+    torchvision's ResNet-50."""
+    row, deadline = imagenette.arguments(argv)
+    assert (row.dataset, row.seeds, row.device, row.target, row.trainers, deadline) == (
+        "imagenette" if not os.environ.get("IMAGENETTE_ROOT") else "imagenette_local", "0,1,2",
+        "cuda:0", 0.8577, "ours,examples", 0.0)
+    assert row.json == str(paths.report("imagenette"))
+    setup, *_ = peers_run(row, build_parser().error)
     config, _ = parse_config(peers.ours_command(setup, 0, paths.work, paths.work)[2:])
     assert (config.model.arch, config.data.image_size, config.data.progressive_start_size,
             config.train.batch_size, config.train.epochs, config.train.compile) == (
@@ -291,8 +292,7 @@ REHEARSAL = ("--device", "cpu", "-a", "test_resnet", "--peer-arch", "resnet18", 
 
 
 def tiny_photos(folder: Path) -> Path:
-    """Noisy 90x120 JPEGs in Imagenette's layout, one colour per class, larger than the copy's
-    48 px shorter side; one of them a PNG, which stays a PNG."""
+    """Noisy 90x120 JPEGs in Imagenette's layout, one colour per class; one of them a PNG."""
     rng = np.random.default_rng(0)
     for split, count in (("train", TRAIN_EACH), ("val", VAL_EACH)):
         for label, wnid in enumerate(WNIDS):
@@ -306,63 +306,21 @@ def tiny_photos(folder: Path) -> Path:
     return folder
 
 
-def photo_names(folder: Path) -> list[str]:
-    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*.JPEG"))
-
-
-def test_photos_travel_in_parts_and_are_put_together_as_they_arrive(tmp_path):
-    """bin/bench.py photos: pack re-encodes (as make_shards --shorter-side) into parts no
-    larger than asked, never into a folder git would commit; receive unpacks each part as it
-    arrives, says what is still missing, and unpacks a part copied twice once."""
-    source = tiny_photos(tmp_path / "source")
-    with pytest.raises(UserError, match="not ignored by git"):
-        photo_parts.pack(source, REPO / "docs" / "photos-parts", 48, 2**20)
-    assert not (REPO / "docs" / "photos-parts").exists()
-    parts = tmp_path / "parts"
-    packed = bench("photos", "pack", str(source), "--out", str(parts), "--shorter-side", "48",
-                   "--part-size", "0.02", "-j", "1")
-    assert packed.returncode == 0, packed.stderr
-    manifests = photo_parts.manifests(parts)
-    assert len(manifests) >= 3 and f"in {len(manifests)} part(s)" in packed.stdout
-    assert [m["part"] for m in manifests] == list(range(1, len(manifests) + 1))
-    for manifest in manifests:  # each tar within the part size, as its manifest says
-        size = (parts / manifest["folder"] / photo_parts.PART_TAR).stat().st_size
-        assert size == manifest["bytes"] <= 0.02 * photo_parts.MIB
-    assert sum(m["photos"] for m in manifests) == len(WNIDS) * (TRAIN_EACH + VAL_EACH)
-    arrived, copy = tmp_path / "arrived", tmp_path / "work" / "imagenette"
-    for count, manifest in enumerate(manifests, 1):  # one part a copy, in any order: last first
-        shutil.copytree(parts / manifest["folder"], arrived / manifest["folder"])
-        received = bench("photos", "receive", str(arrived), "--into", str(copy))
-        assert received.returncode == 0, received.stderr
-        lacking = photo_parts.missing(copy)
-        assert (lacking == "") == (count == len(manifests)), lacking
-        if lacking:
-            assert f"of {len(manifests)}" in lacking and "lacks part(s)" in received.stdout
-    assert "the copy is whole: 18 photos" in received.stdout
-    with pytest.raises(UserError, match="holds files but no photos received"):
-        photo_parts.receive(arrived, source)  # never into a folder of other files
-    assert photo_names(copy) == photo_names(source)
-    for name in photo_names(source):  # the same code as make_shards --shorter-side
-        assert (copy / name).read_bytes() == shrink((source / name).read_bytes(), 48)
-        assert min(Image.open(copy / name).size) == 48
-    assert Image.open(copy / "train" / WNIDS[1] / "train_0.JPEG").format == "PNG"
-    (copy / "train" / WNIDS[0] / "train_0.JPEG").unlink()  # a part copied again: not unpacked
-    assert photo_parts.receive(arrived, copy)["missing"] == ""
-    assert not (copy / "train" / WNIDS[0] / "train_0.JPEG").exists()
-
-
-def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_received_photos(tmp_path):
+def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_users_photos(tmp_path,
+                                                                                monkeypatch):
     """The imagenette part through gpu-check's runner, at a tiny size on a CPU: skipped, with
-    the reason, until the photos are whole; then ours and the peer train on them, each run's
-    top-1 after its epoch read from the photos' own val set (6 photos: a multiple of 1/6)."""
+    the catalog's reason, where IMAGENETTE_ROOT names no folder; then ours and the peer train
+    on the photos it names, each run's top-1 after its epoch read from the photos' own val set
+    (6 photos: a multiple of 1/6)."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
     part = next(p for p in gpu_check.parts(gpu_check.Options(imagenette=REHEARSAL))
                 if p.name == "imagenette")
+    monkeypatch.setenv("IMAGENETTE_ROOT", str(tmp_path / "nowhere"))
     skipped = run_parts([part], 60, paths, part_environment(paths))[0]
-    assert skipped["status"] == "ok" and "no photos at" in skipped["figures"]["skipped"]
-    assert "imagenette: skipped: no photos at" in skipped["log_tail"]
-    photo_parts.pack(tiny_photos(tmp_path / "source"), tmp_path / "parts", 48, 2**20)
-    photo_parts.receive(tmp_path / "parts", paths.work / "imagenette")
+    assert skipped["status"] == "ok" and "not found" in skipped["figures"]["skipped"]
+    assert f"imagenette: skipped: dataset 'imagenette_local': root {tmp_path / 'nowhere'}" in \
+        skipped["log_tail"]
+    monkeypatch.setenv("IMAGENETTE_ROOT", str(tiny_photos(tmp_path / "photos")))
     # the runner tells the part its deadline: a long one, so that the peer's run fits however
     # loaded this machine is
     outcome = run_parts([dataclasses.replace(part, deadline_s=600)], 600, paths,
@@ -370,7 +328,7 @@ def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_received_photo
     assert outcome["status"] == "ok", outcome["log_tail"]
     figures = outcome["figures"]
     assert figures["deadline_s"] == 600 and figures["not_run"] == []
-    assert figures["root"] == str((paths.work / "imagenette").resolve())
+    assert figures["root"] == str(tmp_path / "photos")
     assert figures["setup"]["config"] == "configs/imagenette_128_5.toml"
     assert [(r["trainer"], r["seed"]) for r in figures["runs"]] == [("ours", 0), ("examples", 0)]
     for run in figures["runs"]:

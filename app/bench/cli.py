@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from app.bench.gpu_check_cli import add_gpu_check, add_photos
+from app.bench.gpu_check_cli import add_gpu_check
 from app.bench.peers_cli import add_peers, peers_run
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
@@ -26,12 +26,11 @@ EXAMPLES = """examples:
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
-  python3 bin/bench.py gpu-check --budget 600 --out gpu-check   # a GPU machine, proved
+  python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine, proved in 30 minutes
   python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
-  python bin/bench.py photos pack ~/imagenette   # real photos in parts; `photos receive` there
 """
 
 
@@ -173,7 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
     add_peers(commands, shared)
-    add_photos(commands)
     for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
         sub.add_argument("--json", help="also write the report to this file")
     return parser
@@ -281,11 +279,6 @@ def main(argv: list[str]) -> int:
     elif args.command == "peers":
         from app.bench import peers as bench  # noqa: PLC0415
         report = bench.run(*peers_run(args, build_parser().error), save)
-    elif args.command == "photos":
-        from app.bench import photo_parts as bench  # noqa: PLC0415
-        report = bench.pack(Path(args.source), Path(args.out), args.shorter_side,
-                            int(args.part_size * bench.MIB), args.workers) \
-            if args.action == "pack" else bench.receive(Path(args.parts), Path(args.into))
     else:
         from app.bench import gpu_check as bench  # noqa: PLC0415
         options = bench.Options(args.test_processes, args.select, args.dali_threads,
