@@ -1,6 +1,6 @@
-"""bin/bench.py sub-commands that run anywhere: model-only throughput, compile costs, end to
-end, what starting a run costs, and what each DALI pipeline reserves (gpu-check's dali_memory part; the command itself is
-tests/test_gpu_check.py's)."""
+"""bin/bench.py sub-commands that run anywhere: model-only throughput, end to end, the loader,
+what starting a run costs, the peers, and what each DALI pipeline reserves (gpu-check's
+dali_memory part; the command itself is tests/test_gpu_check.py's)."""
 
 import dataclasses
 import json
@@ -54,7 +54,7 @@ def test_model_bench_reports_ours_beside_the_peer(tmp_path):
 
 
 def test_model_bench_hands_over_each_row_as_it_finishes():
-    """What bin/bench.py model --json writes after each row (gpu-check's model_steps part, killed
+    """What bin/bench.py model --json writes after each row (gpu-check's model part, killed
     at its deadline, keeps them): the rows so far, a ratio whose other row is still to come
     None; without the peer's setting, no ratio to it."""
     from app.bench import model
@@ -68,17 +68,6 @@ def test_model_bench_hands_over_each_row_as_it_finishes():
     assert snapshots[-1]["sizes"]["results"][0]["speed_vs_largest"] is not None
     assert report["results"][0]["ratio_to_peer"] is None
     assert "ours without compile" in model.format_report(report)
-
-
-def test_compile_bench_compiles_the_whole_model_or_each_block(tmp_path):
-    report = tmp_path / "compile.json"
-    result = bench("compile", "-a", "test_resnet", "-b", "4", "--image-size", "32", "--device",
-                   "cpu", "--steps", "2", "--settings", "whole,regions", "--compile-backend",
-                   "eager", "--json", str(report))
-    assert result.returncode == 0, result.stderr[-3000:]
-    whole, regions = json.loads(report.read_text())["results"]
-    assert whole["graphs"] == 1 and regions["graphs"] == 4  # test_resnet: 4 blocks, all unlike
-    assert all(r["first_step_s"] > 0 and len(r["step_times_s"]) == 2 for r in (whole, regions))
 
 
 def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):

@@ -119,8 +119,7 @@ def test_the_plan_gives_each_part_its_deadline_and_the_gpu_tests_their_slice():
     assert [p.name for p in parts[:tests]] == ["probe", "imagenette", "prepare", "gpus_ps",
                                                "e2e"]
     assert [p.name for p in parts[tests + 1:]] == [
-        "gpus_allreduce", "sync_regions", "dali_memory", "model", "model_steps", "sync_whole",
-        "threads", "threads_per_gpu", "start"]
+        "gpus_allreduce", "sync", "dali_memory", "model", "start"]
     assert build_parser().parse_args(["gpu-check"]).budget == gpu_check.BUDGET_S == 1800
     for budget, late_by in ((600, 0.0), (600, STOP_S), (gpu_check.BUDGET_S, STOP_S)):
         parts, left = gpu_check.chosen("", budget), budget

@@ -21,22 +21,15 @@ EXAMPLES = """examples:
   python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
       --cutmix-alpha 1.0                                         # + batch augmentations
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
-  python bin/bench.py threads -a resnet18 -b 32 --devices cpu,cpu  # replicas as threads or not
-  python bin/bench.py compile -a resnet50 -b 8 --image-size 96 --device cpu  # whole vs regions
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine, proved in 30 minutes
-  python bin/bench.py teardown --repeats 3                       # a killed worker -> exit
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
 """
 
-
-# 2 CPU workers, ResNet-18 at 64 px, the parameter server
-TEARDOWN_RUN = ("--dataset", "sample_tiny", "-a", "resnet18", "--image-size", "64", "-b", "8",
-                "-j", "0", "--devices", "cpu,cpu", "--sync", "ps", "--epochs", "1", "-p", "1")
 
 # flags several sub-commands share: option strings, type
 SHARED = {"catalog": (("--catalog",), None), "dataset": (("--dataset",), None),
@@ -101,21 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--bucket-mb", type=float, default=25.0)
     sync.add_argument("--modes", default="local,ps,allreduce", help="which to measure: local "
                       "(1 worker, no sync), ps, allreduce")
-    threads = commands.add_parser("threads", help="training images/s with the replicas as "
-                                  "threads vs as processes (app.train), same run otherwise")
-    shared(threads, arch="resnet18", batch_size=(32, "per replica"), image_size=64)
-    threads.add_argument("--devices", default="cpu,cpu", help="replica devices: cpu,cpu; "
-                         "cuda:0,cuda:0 (two on one GPU); cuda:0,cuda:1; all (one per GPU)")
-    shared(threads, dataset="sample", catalog="datasets.toml",
-           workers=(1, "loader processes per replica"),
-           steps=(40, "about this many steps are measured (one epoch of the dataset)"))
-    compiling = commands.add_parser("compile", help="first step (compilation included) and "
-                                    "step time: eager, compiled whole, compiled by regions")
-    shared(compiling, arch="resnet50", batch_size=8, image_size=96, device="cpu", steps=5)
-    compiling.add_argument("--settings", default="off,whole,regions")
-    for sub in (sync, compiling):
-        sub.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
-                         "traces and differentiates, generates no code")
+    sync.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
+                      "traces and differentiates, generates no code")
     sync.add_argument("--compile", default="off", choices=("off", "whole", "regions"),
                       help="torch.compile the model whole or by regions (each block of the stages)")
     loader = commands.add_parser("loader", help="loader-only images/s of one or more datasets")
@@ -146,13 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     guess.add_argument("--repeats", type=int, default=3, help="passes; the best one counts")
     guess.add_argument("--limit", type=int, default=0, help="at most this many images")
     add_gpu_check(commands)
-    teardown = commands.add_parser("teardown", help="a failed run: SIGKILL one worker of a "
-                                   "driver run, time to the error line and to the exit")
-    teardown.add_argument("--repeats", type=int, default=3)
-    teardown.add_argument("--victim", default="worker 1 (cpu)", help="as the driver's "
-                          "'started' line names it")
-    teardown.add_argument("flags", nargs="*", default=list(TEARDOWN_RUN), help="the driver's "
-                          "flags after --, default: " + " ".join(TEARDOWN_RUN))
     start = commands.add_parser("start", help="what starting a run costs: the machine's CPU "
                                 "seconds and the time to the first step, N workers, a restart, "
                                 "and pytorch/examples' main.py beside them")
@@ -172,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
                        "the same run (each of its rows right after ours)")
     add_peers(commands, shared)
-    for sub in (e2e, model, sync, threads, compiling, loader, guess, teardown, start):
+    for sub in (e2e, model, sync, loader, guess, start):
         sub.add_argument("--json", help="also write the report to this file")
     return parser
 
@@ -239,14 +212,6 @@ def main(argv: list[str]) -> int:
         report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
                            args.steps, args.warmup, args.bucket_mb, args.compile,
                            args.compile_backend, tuple(args.modes.split(",")), save)
-    elif args.command == "threads":
-        from app.bench import threads as bench  # noqa: PLC0415
-        report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
-                           args.dataset, args.catalog, args.workers, args.steps, save)
-    elif args.command == "compile":
-        from app.bench import compile as bench  # noqa: PLC0415
-        report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
-                           args.compile_backend, args.steps, args.settings.split(","))
     elif args.command == "loader":
         from app.bench import loader as bench  # noqa: PLC0415
         from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
@@ -262,9 +227,6 @@ def main(argv: list[str]) -> int:
             build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
         report = bench.run(args.model, args.arch, args.image_size, args.images,
                            args.batch_size, args.repeats, args.limit)
-    elif args.command == "teardown":
-        from app.bench import teardown as bench  # noqa: PLC0415
-        report = bench.run(args.flags, args.victim, args.repeats)
     elif args.command == "start":
         from app.bench import start as bench  # noqa: PLC0415
         if args.peer and args.device != "cpu":

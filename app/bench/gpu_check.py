@@ -21,7 +21,7 @@ from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts
 from app.bench.part_runner import format_report as format_parts
 from app.bench.part_summaries import (dali_lines, e2e_lines, imagenette_lines, model_lines,
                                       probe_lines, run_figures, run_lines, start_lines,
-                                      sync_lines, threads_lines)
+                                      sync_lines)
 from app.bench.probe import check_requirements
 
 PYTHON = sys.executable
@@ -61,19 +61,6 @@ def driver(paths: Paths, name: str, *args: str) -> list[str]:
 
 def module(name: str, *args: str) -> list[str]:
     return [PYTHON, "-m", name, *args]
-
-
-def sync_bench(paths: Paths, name: str, compile: str) -> list[str]:
-    # no 1-worker mode: two workers share the one GPU, so one worker's step is no baseline
-    return bench("sync", *RESNET, "--image-size", "224", "--devices", "cuda:0,cuda:0",
-                 "--compile", compile, "--modes", "ps,allreduce", "--steps", "10", "--warmup",
-                 "3", "--json", str(paths.report(name)))
-
-
-def threads_bench(paths: Paths, name: str, devices: str) -> list[str]:
-    # both modes eager (threads cannot compile), one epoch of the bench sample per mode
-    return bench("threads", "-a", "resnet50", "-b", "128", "--image-size", "224", "--devices",
-                 devices, *DATA, "-j", "6", "--json", str(paths.report(name)))
 
 
 def tests_part(options: Options) -> Part:
@@ -137,29 +124,20 @@ def parts(options: Options = Options()) -> list[Part]:
         Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
              lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
              collect=run_figures, summary=run_lines),
-        Part("sync_regions", "sync overlap compiled by regions: ps, allreduce", 45,
-             lambda p: sync_bench(p, "sync_regions", "regions"), summary=sync_lines),
+        # the trainer's compile, by regions; no 1-worker mode: two workers share the one GPU,
+        # so one worker's step is no baseline
+        Part("sync", "the gradient sync's overlap with backward, compiled by regions: ps, "
+             "allreduce", 45,
+             lambda p: bench("sync", *RESNET, "--image-size", "224", "--devices",
+                             "cuda:0,cuda:0", "--compile", "regions", "--modes", "ps,allreduce",
+                             "--steps", "10", "--warmup", "3", "--json", str(p.report("sync"))),
+             summary=sync_lines),
         dali_part(options),
         Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
              "beside the pytorch/examples numerics", 120,
              lambda p: bench("model", *RESNET, "--steps", "20", "--warmup", "5", "--json",
                              str(p.report("model"))),
              summary=model_lines),
-        Part("model_steps", "the optimizer step foreach vs fused at 160/192/224 px, batch 256 "
-             "and 512 (eager, without the peer)", 75,
-             lambda p: bench("model", *RESNET, "--no-compile", "--no-peer", "--sizes",
-                             "160,192,224", "--batch-sizes", "256,512", "--optimizer-steps",
-                             "foreach,fused", "--steps", "15", "--warmup", "3", "--json",
-                             str(p.report("model_steps"))),
-             summary=model_lines),
-        Part("sync_whole", "sync overlap compiled whole: ps, allreduce", 120,
-             lambda p: sync_bench(p, "sync_whole", "whole"), summary=sync_lines),
-        Part("threads", "replicas as threads vs as processes (the Python API), two on one GPU, "
-             "both eager, one epoch of the bench sample each", 90,
-             lambda p: threads_bench(p, "threads", "cuda:0,cuda:0"), summary=threads_lines),
-        Part("threads_per_gpu", "the same with a replica per GPU of the machine (skipped with "
-             "one)", 90, lambda p: threads_bench(p, "threads_per_gpu", "all"),
-             summary=threads_lines),
         Part("start", "what starting a run costs here: 1 and 2 workers on one GPU (ps), 6 "
              "loader processes each, and a restart after a killed worker", 120,
              lambda p: bench("start", "--device", "cuda:0", "--workers", "1,2", "-j", "6",

@@ -100,14 +100,6 @@ def model_lines(f: dict) -> list[str]:
                     f"{number(r['speed_vs_first_step'], 3)} |" for r in grid]
 
 
-def threads_lines(f: dict) -> list[str]:
-    if "skipped" in f:
-        return [f"- skipped: {f['skipped']}"]
-    lines = ["| replicas as | images/s |", "| --- | --- |"]
-    lines += [f"| {r['mode']} | {r['images_per_s']:,.0f} |" for r in f["results"]]
-    return lines + ["", f"threads / processes: {number(f['threads_over_processes'], 3)}"]
-
-
 def dali_lines(f: dict) -> list[str]:
     lines = [f"- at {f['threads']} threads, batch {f['batch_size']}, the {f['sample']} sample "
              f"({f['formula']}):"]

@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from app.bench.compile import in_process
 from app.bench.model import compiled, synthetic_batch
 from app.config import ParallelConfig
 from app.models.factory import create_model
@@ -33,7 +32,7 @@ class SyncBenchJob:
     steps: int
     warmup: int
     result_file: str
-    compile: str = "off"  # off | whole | regions (app/bench/compile.py)
+    compile: str = "off"  # off | whole | regions (app/bench/model.py compiled())
     compile_backend: str = "inductor"
 
 
@@ -62,6 +61,15 @@ def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> 
     if env.is_primary:
         Path(job.result_file).write_text(json.dumps(times[job.warmup:]))
     sync.close()
+
+
+def in_process(target: Callable, args: tuple, what: str) -> None:
+    """`target(*args)` in a spawned process of its own; raises if it fails."""
+    process = torch.multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"{what} failed (exit {process.exitcode})")
 
 
 def run_mode(job: SyncBenchJob, devices: list[str], mode: str, parallel: ParallelConfig) -> None:
