@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import gpu_check, gpu_tests, imagenette, peer_main, peers
+from app.bench import gpu_check, gpu_tests, imagenette, peer_examples, peers
 from app.bench.cli import build_parser, peers_run
 from app.bench.part_runner import (MIN_PART_S, STOP_S, Part, Paths, part_environment, run_parts,
                                    sized, time_for)
@@ -180,7 +180,7 @@ def imagenette_runs_accept_their_flags(argv: list[str], paths: Paths) -> None:
         "ranger", "shorter-side", 128)
     model = create_model_from_config(config.model, 10, with_pretrained=False)
     assert isinstance(model, XSEResNeXtMini)
-    peer = peer_main.parse(peers.examples_command(setup, 0, paths.work, paths.work)[3:])
+    peer = peer_examples.parse(peers.examples_command(setup, 0, paths.work, paths.work)[3:])
     assert (peer.arch, peer.image_size, peer.batch_size, peer.epochs, peer.device) == (
         "resnet50", 128, 32, 5, "cuda")
 

@@ -1,6 +1,6 @@
 """`bin/bench.py peers`: one training by several trainers on the same photos and machine: ours
 (bin/driver.py with a recipe config), pytorch/examples' imagenet/main.py recipe
-(app/bench/peer_main.py), timm's train.py from a pytorch-image-models checkout (not part of
+(app/bench/peer_examples.py), timm's train.py from a pytorch-image-models checkout (not part of
 the timm package), with its own defaults or, with `--peer-recipe ours`, our config's recipe in
 its flags (timm_recipe_flags), and fastai running the Imagenette 128 px / 5-epoch row's
 holder's recipe (app/bench/peer_fastai.py; `make peer-fastai` installs fastai). Same epochs,
@@ -71,7 +71,7 @@ def ours_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
 
 
 def examples_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
-    return [sys.executable, "-m", "app.bench.peer_main", str(root), "-a", peer_arch(setup),
+    return [sys.executable, "-m", "app.bench.peer_examples", str(root), "-a", peer_arch(setup),
             "--image-size", str(setup.image_size), "-b", str(setup.batch_size),
             "--epochs", str(setup.epochs), "-j", str(setup.workers), "--seed", str(seed),
             "--device", "cuda" if setup.device.startswith("cuda") else "cpu", "--out", str(out)]

@@ -1,7 +1,7 @@
 """`bin/bench.py start`: what starting a run costs: the whole machine's CPU seconds (from
 /proc/stat, so every process counts however it was started) and the wall time from the command
 to the first optimizer step; the same after a killed worker (`--max-restarts`), and for
-pytorch/examples' main.py recipe (app/bench/peer_main.py). Another checkout (`--baseline-repo`)
+pytorch/examples' main.py recipe (app/bench/peer_examples.py). Another checkout (`--baseline-repo`)
 is measured in the same run, each of its rows right after ours; the machine should be otherwise
 idle: /proc/stat counts everyone's work."""
 
@@ -146,7 +146,7 @@ def wait_for(found: Callable[[], float | None], process: subprocess.Popen) -> fl
 
 def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, "-m", "app.bench.peer_main", str(imagefolder),
+        command = [sys.executable, "-m", "app.bench.peer_examples", str(imagefolder),
                    "-a", setup.arch, "-j", str(row.loaders * row.workers),
                    "-b", str(setup.batch_size * row.workers), "--epochs", str(setup.epochs),
                    "--image-size", str(setup.image_size), "--world", str(row.workers),
