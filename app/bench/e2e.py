@@ -1,7 +1,7 @@
-"""End to end: training from JPEG files, our trainer beside the peer's recipe (app/bench/peer.py)
-in the same run, and as a share of our model-only speed with the same settings: the gap is what
-the input pipeline still costs. Each decoder is measured in turn, beside one measurement of the
-peer and of the model alone."""
+"""End to end: training from JPEG files, our trainer beside the peer's recipe
+(app/bench/peer_examples.py) in the same run, and as a share of our model-only speed with the
+same settings: the gap is what the input pipeline still costs. Each decoder is measured in turn,
+beside one measurement of the peer and of the model alone."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from app.bench import model as model_bench
 from app.bench.loader import batches_forever
-from app.bench.peer import peer_batches
+from app.bench.peer_examples import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
 from app.catalog.tables import load_tables

@@ -1,8 +1,8 @@
 """Loader-only throughput: read + decode + augment, batches delivered on the device, no model.
 Several datasets in one run (ratios to the first), an object-store dataset once per reader
 (the baseline first), every dataset once per decoder, plain and with each auto-augment policy
-(ratios to the plain row); the peer's loader (app/bench/peer.py) on the first dataset is the
-baseline of them all. The reader alone is measured too: GETs/s and client CPU per GET."""
+(ratios to the plain row); the peer's loader (app/bench/peer_examples.py) on the first dataset
+is the baseline of them all. The reader alone is measured too: GETs/s and client CPU per GET."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from app.bench.peer import peer_batches
+from app.bench.peer_examples import peer_batches
 from app.bench.usage import cpu_seconds
 from app.catalog import Catalog
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot

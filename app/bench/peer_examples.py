@@ -1,10 +1,12 @@
-"""pytorch/examples imagenet/main.py as it trains on N devices (`--multiprocessing-distributed`),
-for `bin/bench.py start` and `peers`: a process per device from torch.multiprocessing.spawn,
-torchvision's model in DDP, an ImageFolder in DataLoader processes, SGD with a step schedule,
-validation, rank 0's checkpoint; the devices here are CPU processes under gloo. As main.py, `-j`
-is the whole machine's loader processes, and the module imports what main.py imports at its
-top, so each spawned process pays what main.py's do. Rank 0 prints a JSON line with the time of
-its first optimizer step, and one per epoch with its val top-1 (a fraction)."""
+"""pytorch/examples imagenet/main.py's recipe, every bench's baseline: its input pipeline
+(peer_batches: Pillow, RandomResizedCrop, flip, ToTensor, Normalize in DataLoader processes)
+for `e2e` and `loader`, and main.py as it trains on N devices (`--multiprocessing-distributed`),
+a process of its own for `start` and `peers`: a process per device from
+torch.multiprocessing.spawn, torchvision's model in DDP, SGD with a step schedule, validation,
+rank 0's checkpoint; the devices here are CPU processes under gloo. As main.py, `-j` is the
+whole machine's loader processes, and the module imports what main.py imports at its top, so
+each spawned process pays what main.py's do. Rank 0 prints a JSON line with the time of its
+first optimizer step, and one per epoch with its val top-1 (a fraction)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,10 +25,49 @@ import torch.utils.data.distributed
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+from PIL import Image
 
 from app.runtime.devices import cpu_threads
 
+if TYPE_CHECKING:  # main.py's processes import nothing more
+    import pandas as pd
+
+    from app.catalog.storage import DatasetRoot
+
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def train_transform(size: int) -> transforms.Compose:
+    return transforms.Compose([transforms.RandomResizedCrop(size),
+                               transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+                               transforms.Normalize(MEAN, STD)])
+
+
+class PeerDataset(torch.utils.data.Dataset):
+    """main.py's ImageFolder over a catalog's table (a local folder or a bucket)."""
+
+    def __init__(self, root: DatasetRoot, frame: pd.DataFrame, size: int):
+        self.root, self.paths, self.labels = root, list(frame.path), list(frame.label)
+        self.transform = train_transform(size)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        with self.root.fs.open(self.root.path(self.paths[index]), "rb") as handle:
+            image = Image.open(handle).convert("RGB")
+        return self.transform(image), self.labels[index]
+
+
+def peer_batches(root: DatasetRoot, frame: pd.DataFrame, size: int, batch_size: int,
+                 workers: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches on the device, epoch after epoch, as main.py's loop receives them."""
+    loader = torch.utils.data.DataLoader(
+        PeerDataset(root, frame, size), batch_size=batch_size, shuffle=True,
+        num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    while True:
+        for images, labels in loader:
+            yield (images.to(device, non_blocking=True), labels.to(device, non_blocking=True))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,9 +117,7 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
     batch = args.batch_size // args.world
     workers = (args.workers + args.world - 1) // args.world
     size = args.image_size
-    train_set = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
-        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), transforms.Normalize(MEAN, STD)]))
+    train_set = datasets.ImageFolder(os.path.join(args.data, "train"), train_transform(size))
     val_set = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
         transforms.Resize(size * 256 // 224), transforms.CenterCrop(size),
         transforms.ToTensor(), transforms.Normalize(MEAN, STD)]))
