@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from app.bench.gpu_check_cli import add_gpu_check
-from app.bench.peers_cli import add_peers, peers_run
+from app.bench.gpu_check import BUDGET_S, WORK
+from app.bench.peers import TRAINERS, Setup
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
 
-EXAMPLES = """examples:
+EXAMPLES = r"""examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
   python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
   python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
@@ -24,137 +24,188 @@ EXAMPLES = """examples:
   python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
-  python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine, proved in 30 minutes
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
+  python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine proved, in 30 minutes
 """
 
-
-# flags several sub-commands share: option strings, type
-SHARED = {"catalog": (("--catalog",), None), "dataset": (("--dataset",), None),
-          "arch": (("-a", "--arch"), None), "batch_size": (("-b", "--batch-size"), int),
-          "image_size": (("--image-size",), int), "epochs": (("--epochs",), int),
-          "workers": (("-j", "--workers"), int), "device": (("--device",), None),
-          "steps": (("--steps",), int), "warmup": (("--warmup",), int)}
+Flag = tuple[tuple[str, ...], dict]
 
 
-def shared(sub: argparse.ArgumentParser, **defaults) -> None:
-    """SHARED's flags in the order given, with these defaults; (default, help) adds a help."""
+def flag(*names: str, **options) -> Flag:
+    return names, options
+
+
+# the flags several commands share
+NAMES = {"catalog": ("--catalog",), "dataset": ("--dataset",), "arch": ("-a", "--arch"),
+         "batch_size": ("-b", "--batch-size"), "image_size": ("--image-size",),
+         "epochs": ("--epochs",), "workers": ("-j", "--workers"), "device": ("--device",),
+         "steps": ("--steps",), "warmup": ("--warmup",)}
+JSON = flag("--json", help="also write the report to this file, after each row (run)")
+
+
+def shared(**defaults) -> list[Flag]:
+    """NAMES' flags with these defaults, an int default making an int flag; (default, help)
+    adds a help."""
+    found = []
     for name, default in defaults.items():
         default, text = default if isinstance(default, tuple) else (default, None)
-        flags, kind = SHARED[name]
-        sub.add_argument(*flags, type=kind, default=default, help=text)
+        found.append(flag(*NAMES[name], default=default, help=text,
+                          type=int if isinstance(default, int) else None))
+    return found
+
+
+AUGMENTS = (("random-erase", "random erasing probability"), ("mixup-alpha", "mixup alpha"),
+            ("cutmix-alpha", "cutmix alpha"))
+COMMANDS: dict[str, tuple[str, list[Flag]]] = {
+    "e2e": ("training from JPEG files: ours vs the pytorch/examples recipe, and as a share of "
+            "model-only speed", [
+        *shared(catalog="datasets.toml", dataset="sample_bench", arch="resnet50",
+                batch_size=256, image_size=224, workers=(8, "loader processes, both sides"),
+                device="cuda", steps=50, warmup=10),
+        flag("--decoders", "--decoder", default="auto", help="input pipelines measured one after "
+             "the other, e.g. nvjpeg,pillow,dali (dali skipped where it does not import)"),
+        flag("--compile", default="auto", choices=("auto", "on", "off")), JSON]),
+    "model": ("model-only images/s: ours vs the peer's numerics", [
+        *shared(arch="resnet50", batch_size=256, image_size=224, device="cuda", steps=50,
+                warmup=5),
+        flag("--no-compile", action="store_true", help="skip the compiled setting"),
+        flag("--no-peer", action="store_true", help="skip the pytorch/examples setting (its "
+             "fp32 cuDNN autotuning takes tens of seconds on a GPU)"),
+        flag("--optimizers", default="", help="also measure our first setting's step with "
+             "these optimizers, built as training builds them, e.g. sgd,lars,lamb"),
+        flag("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: also clip "
+             "the gradients to this norm (another row each)"),
+        flag("--model-ema-steps", type=int, default=0, help="also measure our first setting's "
+             "step with the weights' EMA updated every N steps (32: torchvision's recipe)"),
+        flag("--sizes", default="", help="also measure our first setting at these image sizes "
+             "(e.g. 160,192,224: what progressive resizing buys), each against the largest"),
+        flag("--batch-sizes", default="", help="... and at these comma-separated batch sizes "
+             "(e.g. 256,512; default: -b)"),
+        flag("--optimizer-steps", default="", help="... and with these implementations of the "
+             "SGD step (default, foreach, fused), each against the first"),
+        *(flag(f"--{name}", type=float, default=0.0, help=f"{what}: also measure our "
+               "settings with the batch augmentations, and them alone")
+          for name, what in AUGMENTS), JSON]),
+    "sync": ("step time: 1 worker vs N workers ps vs allreduce", [
+        *shared(arch="resnet50", batch_size=(16, "per worker"), image_size=64, steps=10,
+                warmup=3),
+        flag("--devices", default="cpu,cpu", help="worker devices, e.g. cuda:0,cuda:1"),
+        flag("--bucket-mb", type=float, default=25.0),
+        flag("--modes", default="local,ps,allreduce", help="which to measure: local (1 "
+             "worker, no sync), ps, allreduce"),
+        flag("--compile", default="off", choices=("off", "whole", "regions"),
+             help="torch.compile the model whole or by regions (each block of the stages)"),
+        flag("--compile-backend", default="inductor", help="e.g. aot_eager: traces and "
+             "differentiates, generates no code"), JSON]),
+    "loader": ("loader-only images/s of one or more datasets", [
+        flag("--catalog", default="datasets.toml"),
+        flag("--dataset", action="append", required=True, help="repeat to compare datasets; "
+             "ratios are to the first"),
+        *shared(batch_size=64, workers=4, image_size=224),
+        flag("--batches", type=int, default=20),
+        flag("--readers", default="s3fs,obstore", help="readers to compare on object-store "
+             "datasets, the baseline first"),
+        flag("--decoders", default="pillow", help="input pipelines to compare, e.g. "
+             "pillow,dali"),
+        flag("--device", default="cpu", help="where batches are delivered (cuda: DALI decodes "
+             "on the GPU)"),
+        flag("--auto-augment", default="", help="also measure these auto-augment policies, "
+             "e.g. ta_wide or ta_wide,ra,imagenet: a row each beside the plain one, per "
+             "decoder"),
+        flag("--no-peer", action="store_true", help="skip the pytorch/examples loader "
+             "baseline"), JSON]),
+    "predict": ("predict images/s: an export's model.onnx in ONNX Runtime vs our PyTorch "
+                "model, same images", [
+        flag("model", nargs="?", default="", metavar="EXPORT_DIR", help="an export folder "
+             "with model.onnx (or give -a)"),
+        flag("--images", action="append", required=True, help="an image or a folder of them; "
+             "repeat for more"),
+        *shared(arch=("", "instead of EXPORT_DIR: export a freshly initialised model of this "
+                      "name"), image_size=(224, "with -a: the crop size"), batch_size=32),
+        flag("--repeats", type=int, default=3, help="passes; the best one counts"),
+        flag("--limit", type=int, default=0, help="at most this many images"), JSON]),
+    "start": ("what starting a run costs: the machine's CPU seconds and the time to the first "
+              "step, N workers, a restart, and pytorch/examples' main.py beside them", [
+        *shared(dataset="sample_tiny", arch=("resnet18", "a torchvision model name too, with "
+                                             "--peer"),
+                image_size=32, batch_size=(16, "per worker process"), epochs=1),
+        flag("--device", default="cpu", help="every worker's: cpu, or cuda:0 (the workers "
+             "share it; no --peer then)"),
+        flag("--workers", default="1,2,4", help="worker processes, comma-separated"),
+        flag("--sync", default="ps,allreduce", help="modes for 2+ workers"),
+        flag("-j", "--loaders", default="1,2", help="loader processes per worker"),
+        flag("--restart", action="store_true", help="also: SIGKILL worker 1 of 2 after its "
+             "first step, time to the first step of the restarted group"),
+        flag("--peer", action="store_true", help="also: pytorch/examples' main.py recipe "
+             "with as many processes and loader processes"),
+        flag("--repeats", type=int, default=2),
+        flag("--baseline-repo", help="another checkout of this project, measured in the same "
+             "run (each of its rows right after ours)"), JSON]),
+    "peers": ("the same training by ours, pytorch/examples' main.py recipe, timm's train.py "
+              "and fastai (the Imagenette row's holder's recipe) on the same photos: top-1, "
+              "wall time and train images/s per seed, mean and spread", [
+        *shared(catalog="datasets.toml", dataset=("imagenette_local", "an imagefolder entry "
+                                                  "on local disk (the peers read its folders)")),
+        flag("--config", default="configs/imagenette_cpu.toml", help="our recipe"),
+        *shared(arch=("resnet18", "a name torchvision and timm both know, or ours alone with "
+                      "--peer-arch")),
+        flag("--peer-arch", default="", help="the peers' model when ours is one torchvision "
+             "lacks (e.g. -a resnet50d --peer-arch resnet50)"),
+        *shared(image_size=64, batch_size=64, epochs=5, workers=(2, "loader processes, each")),
+        flag("--seeds", default="0,1"),
+        flag("--trainers", default=",".join(TRAINERS), help="the first is the baseline of the "
+             "wall-time ratios"),
+        flag("--timm-train", default="", help="train.py of a pytorch-image-models checkout "
+             "(git clone https://github.com/huggingface/pytorch-image-models); needed for the "
+             "timm trainer"),
+        flag("--device", default="cpu", help="cpu, or cuda:0: each trainer on one GPU (timm's "
+             "train.py with --amp --channels-last, as its README runs)"),
+        flag("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
+             "leaderboard's 128 px 5 epochs): also the time each run takes to reach it"),
+        flag("--peer-recipe", choices=("own", "ours"), default="own", help="own: each peer "
+             "its default recipe (what its users get); ours: timm's train.py runs our config's "
+             "recipe (schedule, LR, smoothing, decay, augmentation): only the trainer differs"),
+        flag("--ours-args", default="", help="more of the driver's flags for ours, in one "
+             "string (a variant of the config's recipe, e.g. \"--mean 0,0,0 --std 1,1,1\")"),
+        JSON]),
+    "gpu-check": ("prove a GPU machine end to end within a time budget (a new GPU box, a cloud "
+                  "image, a driver upgrade): parts in their order of value, each with its own "
+                  "deadline, each report written the moment it ends", [
+        flag("--budget", type=float, default=BUDGET_S, help="seconds for all the parts "
+             f"(default {BUDGET_S:.0f}: each its whole deadline, the gpu tests about 15 min; "
+             "from 600 the parts up to the gpu tests keep theirs, the rest goes to the tests)"),
+        flag("--out", default="gpu-check", help="the report folder: <part>.json, <part>.log, "
+             "summary.md"),
+        flag("--work", default=str(WORK), help="compile caches, the generated sample, run "
+             "folders (kept out of --out); the imagenette part trains on IMAGENETTE_ROOT's "
+             "photos, else on fast.ai's archive, downloaded once"),
+        flag("--archive", help="also pack the report folder into this .tar.gz after each part"),
+        flag("--parts", default="", help="only these, comma-separated (--list names them)"),
+        flag("--list", action="store_true", help="name the parts and their deadlines in this "
+             "budget, run nothing"),
+        flag("-n", "--test-processes", type=int, default=4, help="gpu test processes sharing "
+             "the GPU (needs pytest-xdist; 1 = one after the other)"),
+        flag("-k", "--select", default="", help="only the gpu tests matching this pytest -k "
+             "expression"),
+        flag("--dali-threads", type=int, default=8, help="decoding threads (-j) of the DALI "
+             "pipelines whose memory is measured"),
+        flag("--dali-batch", type=int, default=256, help="their batch size"),
+        flag("--dali-sample", default="tiny", choices=("tiny", "bench"), help="the sample they "
+             "read (bench: ImageNet-sized images, which the first batch's memory depends on)")]),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    e2e = commands.add_parser("e2e", help="training from JPEG files: ours vs the pytorch/examples "
-                              "recipe, and as a share of model-only speed")
-    shared(e2e, catalog="datasets.toml", dataset="sample_bench", arch="resnet50", batch_size=256,
-           image_size=224, workers=(8, "loader processes, both sides"), device="cuda")
-    e2e.add_argument("--decoders", "--decoder", default="auto", help="comma-separated "
-                     "input pipelines to measure one after the other (auto, dali, nvjpeg, "
-                     "pillow), e.g. nvjpeg,pillow,dali; dali is skipped where it does not "
-                     "import")
-    e2e.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
-    shared(e2e, steps=50, warmup=10)
-    model = commands.add_parser("model", help="model-only images/s: ours vs the peer's numerics")
-    shared(model, arch="resnet50", batch_size=256, image_size=224, device="cuda", steps=50,
-           warmup=5)
-    model.add_argument("--no-compile", action="store_true", help="skip the compiled setting")
-    model.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
-                       "setting (its fp32 cuDNN autotuning takes tens of seconds on a GPU)")
-    model.add_argument("--optimizers", default="", help="also measure our first setting's "
-                       "step with these comma-separated optimizers (sgd, lars, lamb: built as "
-                       "training builds them), e.g. sgd,lars,lamb")
-    model.add_argument("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: "
-                       "also clip the gradients to this norm (another row each)")
-    model.add_argument("--model-ema-steps", type=int, default=0, help="also measure our first "
-                       "setting's step with the weights' EMA updated every N steps (32: "
-                       "torchvision's recipe)")
-    model.add_argument("--sizes", default="", help="also measure our first setting at these "
-                       "comma-separated image sizes (e.g. 160,192,224: what progressive "
-                       "resizing buys), each against the largest")
-    model.add_argument("--batch-sizes", default="", help="... and at these comma-separated "
-                       "batch sizes (e.g. 256,512; default: -b)")
-    model.add_argument("--optimizer-steps", default="", help="... and with these "
-                       "comma-separated implementations of the SGD step: default, foreach, "
-                       "fused (e.g. foreach,fused), each against the first")
-    for flag, what in (("--random-erase", "random erasing probability"),
-                       ("--mixup-alpha", "mixup alpha"), ("--cutmix-alpha", "cutmix alpha")):
-        model.add_argument(flag, type=float, default=0.0, help=f"{what}: also measure our "
-                           "settings with the batch augmentations, and them alone")
-    sync = commands.add_parser("sync", help="step time: 1 worker vs N workers ps vs allreduce")
-    shared(sync, arch="resnet50", batch_size=(16, "per worker"), image_size=64)
-    sync.add_argument("--devices", default="cpu,cpu", help="worker devices, e.g. cuda:0,cuda:1")
-    shared(sync, steps=10, warmup=3)
-    sync.add_argument("--bucket-mb", type=float, default=25.0)
-    sync.add_argument("--modes", default="local,ps,allreduce", help="which to measure: local "
-                      "(1 worker, no sync), ps, allreduce")
-    sync.add_argument("--compile-backend", default="inductor", help="e.g. aot_eager: "
-                      "traces and differentiates, generates no code")
-    sync.add_argument("--compile", default="off", choices=("off", "whole", "regions"),
-                      help="torch.compile the model whole or by regions (each block of the stages)")
-    loader = commands.add_parser("loader", help="loader-only images/s of one or more datasets")
-    loader.add_argument("--catalog", default="datasets.toml")
-    loader.add_argument("--dataset", action="append", required=True,
-                        help="repeat to compare datasets; ratios are to the first")
-    shared(loader, batch_size=64, workers=4, image_size=224)
-    loader.add_argument("--batches", type=int, default=20)
-    loader.add_argument("--readers", default="s3fs,obstore",
-                        help="readers to compare on object-store datasets, the baseline first")
-    loader.add_argument("--decoders", default="pillow", help="input pipelines to compare, "
-                        "e.g. pillow,dali")
-    loader.add_argument("--device", default="cpu", help="where batches are delivered (cuda: "
-                        "DALI decodes on the GPU)")
-    loader.add_argument("--auto-augment", default="", help="also measure these auto-augment "
-                        "policies, e.g. ta_wide or ta_wide,ra,imagenet: a row each beside the "
-                        "plain one, per decoder")
-    loader.add_argument("--no-peer", action="store_true", help="skip the pytorch/examples "
-                        "loader baseline")
-    guess = commands.add_parser("predict", help="predict images/s: an export's model.onnx in "
-                                "ONNX Runtime vs our PyTorch model, same images")
-    guess.add_argument("model", nargs="?", default="", metavar="EXPORT_DIR",
-                       help="an export folder with model.onnx (or give -a)")
-    guess.add_argument("--images", action="append", required=True,
-                       help="an image or a folder of them; repeat for more")
-    shared(guess, arch=("", "instead of EXPORT_DIR: export a freshly initialised model of "
-                        "this name"), image_size=(224, "with -a: the crop size"), batch_size=32)
-    guess.add_argument("--repeats", type=int, default=3, help="passes; the best one counts")
-    guess.add_argument("--limit", type=int, default=0, help="at most this many images")
-    add_gpu_check(commands)
-    start = commands.add_parser("start", help="what starting a run costs: the machine's CPU "
-                                "seconds and the time to the first step, N workers, a restart, "
-                                "and pytorch/examples' main.py beside them")
-    shared(start, dataset="sample_tiny", arch=("resnet18", "a torchvision model name too, "
-                                                "with --peer"),
-           image_size=32, batch_size=(16, "per worker process"), epochs=1)
-    start.add_argument("--device", default="cpu", help="every worker's: cpu, or cuda:0 (the "
-                       "workers share it; no --peer then)")
-    start.add_argument("--workers", default="1,2,4", help="worker processes, comma-separated")
-    start.add_argument("--sync", default="ps,allreduce", help="modes for 2+ workers")
-    start.add_argument("-j", "--loaders", default="1,2", help="loader processes per worker")
-    start.add_argument("--restart", action="store_true", help="also: SIGKILL worker 1 of 2 "
-                       "after its first step, time to the first step of the restarted group")
-    start.add_argument("--peer", action="store_true", help="also: pytorch/examples' main.py "
-                       "recipe with as many processes and loader processes")
-    start.add_argument("--repeats", type=int, default=2)
-    start.add_argument("--baseline-repo", help="another checkout of this project, measured in "
-                       "the same run (each of its rows right after ours)")
-    add_peers(commands, shared)
-    for sub in (e2e, model, sync, loader, guess, start):
-        sub.add_argument("--json", help="also write the report to this file")
+    for name, (text, flags) in COMMANDS.items():
+        sub = commands.add_parser(name, help=text)
+        for names, options in flags:
+            sub.add_argument(*names, **options)
     return parser
-
-
-def recipe_optimizers(names: str, clip: float) -> list[OptimConfig]:
-    """One row per optimizer, and one more per optimizer with clipping when asked for."""
-    optimizers = [OptimConfig(optimizer=name) for name in names.split(",") if name]
-    return optimizers + [dataclasses.replace(o, clip_grad_norm=clip)
-                         for o in optimizers if clip]
 
 
 def names_in(flag: str, text: str, known, required: bool = False) -> list[str]:
@@ -179,81 +230,120 @@ def saver(path: str | None) -> Callable[[dict], None]:
     return lambda report: write_atomically(path, json.dumps(report, indent=2))
 
 
+def peers_run(args: argparse.Namespace, error: Callable[[str], None]
+              ) -> tuple[Setup, list[str], list[int], float]:
+    """(setup, trainers, seeds, target) from peers' flags; `error` (the parser's) for a
+    mistake."""
+    trainers = [name for name in args.trainers.split(",") if name]
+    if not trainers or set(trainers) - set(TRAINERS):
+        error(f"--trainers: known: {', '.join(TRAINERS)}")
+    if "timm" in trainers and not Path(args.timm_train).is_file():
+        error("--timm-train: give train.py of a pytorch-image-models checkout, or leave timm "
+              "out of --trainers")
+    setup = Setup(args.catalog, args.dataset, args.config, args.arch, args.image_size,
+                  args.batch_size, args.epochs, args.workers,
+                  str(Path(args.timm_train).resolve()) if args.timm_train else "", args.device,
+                  args.peer_arch, args.peer_recipe, args.ours_args)
+    return setup, trainers, numbers(args.seeds), args.target
+
+
+# Each command's run from its flags: (its module, whose format_report prints it, the report);
+# torch-heavy modules load here, after parsing, so that --help and mistakes answer at once.
+def e2e(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import e2e as bench  # noqa: PLC0415
+    from app.data.decoders import DECODERS  # noqa: PLC0415
+    decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
+    return bench, bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
+                                        args.image_size, args.workers, args.device, args.steps,
+                                        args.warmup, tuple(decoders), args.compile), save)
+
+
+def model(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import model as bench  # noqa: PLC0415
+    settings = [bench.OURS_EAGER] if args.no_compile else [bench.OURS, bench.OURS_EAGER]
+    augment = AugmentConfig(random_erase=args.random_erase, mixup_alpha=args.mixup_alpha,
+                            cutmix_alpha=args.cutmix_alpha)
+    # one row per optimizer, and one more per optimizer with clipping when asked for
+    optimizers = [OptimConfig(optimizer=name) for name in args.optimizers.split(",") if name]
+    optimizers += [dataclasses.replace(o, clip_grad_norm=args.clip_grad_norm)
+                   for o in optimizers if args.clip_grad_norm]
+    return bench, bench.run(
+        args.arch, args.batch_size, args.image_size, args.device, args.steps, args.warmup,
+        settings + ([] if args.no_peer else [bench.PEER]),
+        augment if augment != AugmentConfig() else None, numbers(args.sizes), optimizers,
+        args.model_ema_steps, numbers(args.batch_sizes),
+        names_in("--optimizer-steps", args.optimizer_steps, bench.OPTIMIZER_STEPS), save)
+
+
+def sync(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import sync as bench  # noqa: PLC0415
+    modes = names_in("--modes", args.modes, bench.MODES)
+    return bench, bench.run(args.arch, args.batch_size, args.image_size,
+                            args.devices.split(","), args.steps, args.warmup, args.bucket_mb,
+                            args.compile, args.compile_backend, tuple(modes), save)
+
+
+def loader(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import loader as bench  # noqa: PLC0415
+    from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
+    augments = names_in("--auto-augment", args.auto_augment, AUTO_AUGMENT)
+    return bench, bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
+                            args.workers, args.batches, tuple(args.readers.split(",")),
+                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
+                            tuple(augments))
+
+
+def predict(args: argparse.Namespace, save: Callable[[dict], None]):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bin/predict.py: before torch
+    from app.bench import predict as bench  # noqa: PLC0415
+    if bool(args.model) == bool(args.arch):
+        build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
+    return bench, bench.run(args.model, args.arch, args.image_size, args.images,
+                            args.batch_size, args.repeats, args.limit)
+
+
+def start(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import start as bench  # noqa: PLC0415
+    if args.peer and args.device != "cpu":
+        build_parser().error("start: --peer runs on CPU processes only (gloo)")
+    setup = bench.Setup(args.dataset, args.arch, args.image_size, args.batch_size,
+                        args.epochs, args.device)
+    rows = bench.rows_for(numbers(args.workers), args.sync.split(","), numbers(args.loaders),
+                          args.restart, args.peer)
+    baseline = Path(args.baseline_repo).resolve() if args.baseline_repo else None
+    return bench, bench.run(setup, rows, args.repeats, baseline, save)
+
+
+def peers(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import peers as bench  # noqa: PLC0415
+    return bench, bench.run(*peers_run(args, build_parser().error), save)
+
+
+def gpu_check(args: argparse.Namespace, save: Callable[[dict], None]):
+    from app.bench import gpu_check as bench  # noqa: PLC0415
+    options = bench.Options(args.test_processes, args.select, args.dali_threads,
+                            args.dali_batch, args.dali_sample)
+    try:
+        parts = bench.chosen(args.parts, args.budget, options)
+    except ValueError as error:
+        build_parser().error(f"--parts: {error}")
+    if args.list:
+        return None, bench.format_plan(parts)
+    return bench, bench.run(parts, args.budget, Path(args.out), Path(args.work),
+                            Path(args.archive) if args.archive else None)
+
+
+RUNS = {"e2e": e2e, "model": model, "sync": sync, "loader": loader, "predict": predict,
+        "start": start, "peers": peers, "gpu-check": gpu_check}
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     save = saver(getattr(args, "json", None))
-    code = 0
-    # torch-heavy modules load after parsing, so --help and mistakes answer at once
-    if args.command == "e2e":
-        from app.bench import e2e as bench  # noqa: PLC0415
-        from app.data.decoders import DECODERS  # noqa: PLC0415
-        decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
-        report = bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
-                                       args.image_size, args.workers, args.device, args.steps,
-                                       args.warmup, tuple(decoders), args.compile), save)
-    elif args.command == "model":
-        from app.bench import model as bench  # noqa: PLC0415
-        settings = [bench.OURS_EAGER] if args.no_compile else [bench.OURS, bench.OURS_EAGER]
-        settings += [] if args.no_peer else [bench.PEER]
-        augment = AugmentConfig(random_erase=args.random_erase, mixup_alpha=args.mixup_alpha,
-                                cutmix_alpha=args.cutmix_alpha)
-        report = bench.run(args.arch, args.batch_size, args.image_size, args.device,
-                           args.steps, args.warmup, settings,
-                           augment if augment != AugmentConfig() else None,
-                           numbers(args.sizes),
-                           recipe_optimizers(args.optimizers, args.clip_grad_norm),
-                           args.model_ema_steps, numbers(args.batch_sizes),
-                           names_in("--optimizer-steps", args.optimizer_steps,
-                                    bench.OPTIMIZER_STEPS), save)
-    elif args.command == "sync":
-        from app.bench import sync as bench  # noqa: PLC0415
-        if not set(args.modes.split(",")) <= set(bench.MODES):
-            build_parser().error(f"--modes: known: {', '.join(bench.MODES)}")
-        report = bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
-                           args.steps, args.warmup, args.bucket_mb, args.compile,
-                           args.compile_backend, tuple(args.modes.split(",")), save)
-    elif args.command == "loader":
-        from app.bench import loader as bench  # noqa: PLC0415
-        from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
-        augments = names_in("--auto-augment", args.auto_augment, AUTO_AUGMENT)
-        report = bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
-                           args.workers, args.batches, tuple(args.readers.split(",")),
-                           tuple(args.decoders.split(",")), args.device, not args.no_peer,
-                           tuple(augments))
-    elif args.command == "predict":
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bin/predict.py: before torch
-        from app.bench import predict as bench  # noqa: PLC0415
-        if bool(args.model) == bool(args.arch):
-            build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
-        report = bench.run(args.model, args.arch, args.image_size, args.images,
-                           args.batch_size, args.repeats, args.limit)
-    elif args.command == "start":
-        from app.bench import start as bench  # noqa: PLC0415
-        if args.peer and args.device != "cpu":
-            build_parser().error("start: --peer runs on CPU processes only (gloo)")
-        setup = bench.Setup(args.dataset, args.arch, args.image_size, args.batch_size,
-                            args.epochs, args.device)
-        rows = bench.rows_for(numbers(args.workers), args.sync.split(","),
-                              numbers(args.loaders), args.restart, args.peer)
-        report = bench.run(setup, rows, args.repeats,
-                           Path(args.baseline_repo).resolve() if args.baseline_repo else None,
-                           save)
-    elif args.command == "peers":
-        from app.bench import peers as bench  # noqa: PLC0415
-        report = bench.run(*peers_run(args, build_parser().error), save)
-    else:
-        from app.bench import gpu_check as bench  # noqa: PLC0415
-        options = bench.Options(args.test_processes, args.select, args.dali_threads,
-                                args.dali_batch, args.dali_sample)
-        try:
-            parts = bench.chosen(args.parts, args.budget, options)
-        except ValueError as error:
-            build_parser().error(f"--parts: {error}")
-        if args.list:
-            print(bench.format_plan(parts))
-            return 0
-        report, code = bench.run(parts, args.budget, Path(args.out), Path(args.work),
-                                 Path(args.archive) if args.archive else None)
+    bench, report = RUNS[args.command](args, save)
+    if bench is None:  # gpu-check --list: the plan
+        print(report)
+        return 0
     print(bench.format_report(report))
     save(report)
-    return code
+    return report.get("exit_code", 0)

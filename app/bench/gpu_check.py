@@ -184,13 +184,14 @@ def format_report(report: dict) -> str:
 
 
 def run(parts: list[Part], budget_s: float, out: Path, work: Path,
-        archive: Path | None = None) -> tuple[dict, int]:
-    """The report (every part's outcome, the verdict) and the exit code."""
+        archive: Path | None = None) -> dict:
+    """The report: every part's outcome, the verdict and its exit code."""
     check_requirements()
     paths = Paths(out, work, archive)
     outcomes = run_parts(parts, budget_s, paths, part_environment(paths))
     said, code = verdict(outcomes)
-    return {"parts": outcomes, "summary": str(out / "summary.md"), "verdict": said}, code
+    return {"parts": outcomes, "summary": str(out / "summary.md"), "verdict": said,
+            "exit_code": code}
 
 
 __all__ = ["BUDGET_S", "WORK", "Options", "chosen", "format_plan", "format_report", "parts", "run"]
