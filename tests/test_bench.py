@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from app.bench import dali_reserve
+from app.bench import dali_reserve, reports
 from conftest import REPO, run_tool
 
 
@@ -67,7 +67,7 @@ def test_model_bench_hands_over_each_row_as_it_finishes():
     assert first["speed_vs_largest"] is None and first["speed_vs_first_step"] == 1.0
     assert snapshots[-1]["sizes"]["results"][0]["speed_vs_largest"] is not None
     assert report["results"][0]["ratio_to_peer"] is None
-    assert "ours without compile" in model.format_report(report)
+    assert "ours without compile" in "\n".join(reports.model(report))
 
 
 def test_e2e_bench_reports_ours_beside_the_peer_and_the_model_alone(tmp_path):

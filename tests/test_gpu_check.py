@@ -16,11 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import gpu_check, gpu_tests, imagenette, peer_examples, peers
+from app.bench import gpu_check, gpu_tests, imagenette, peer_examples, peers, reports
 from app.bench.cli import build_parser, peers_run
 from app.bench.part_runner import (MIN_PART_S, STOP_S, Part, Paths, part_environment, run_parts,
                                    sized, time_for)
-from app.bench.part_summaries import imagenette_lines
 from app.config.sources import parse_config
 from app.models.factory import create_model_from_config
 from app.models.xse_resnext_mini import XSEResNeXtMini
@@ -201,7 +200,7 @@ def test_the_gpu_tests_report_holds_the_tests_that_ended_before_a_kill(tmp_path)
                                            "gpu_match_one_worker[ps-float32, TF32 off]",
                                    "outcome": "failed"}
     assert figures["tests"][3]["name"] == "tests/test_precision.py::test_bf16_autocast[cuda]"
-    assert gpu_tests.summary(figures)[0] == "- 2 passed, 1 failed, 1 skipped"
+    assert reports.gpu_tests(figures)[0] == "- 2 passed, 1 failed, 1 skipped"
 
 
 def test_the_gpu_tests_run_fastest_first_from_the_files_that_hold_them(tmp_path):
@@ -345,8 +344,10 @@ def test_the_imagenette_part_starts_only_runs_expected_to_end_in_time():
     assert imagenette.expected_s("ours", []) == 0.0  # the first run of all always starts
     assert imagenette.expected_s("ours", runs) == 40.0 * imagenette.RUN_FACTOR
     assert imagenette.expected_s("examples", runs) == 40.0 * imagenette.FIRST_RUN_FACTOR
-    figures = {"setup": {"epochs": 5}, "target": 0.8577, "runs": [], "summary": {},
+    figures = {"setup": {"arch": "xse_resnext_mini", "image_size": 128, "epochs": 5,
+                         "batch_size": 32, "workers": 12}, "root": "/photos", "target": 0.8577,
+               "runs": [], "summary": {},
                "not_run": [{"trainer": "examples", "seed": 0, "expected_s": 80.0,
                             "left_s": 31.0}]}
-    assert imagenette_lines(figures)[-1] == ("- not run, it would not end within the part's "
-                                             "deadline: examples seed 0 (~80 s, 31 s left)")
+    assert reports.peers(figures)[-1] == ("- not run, it would not end within the part's "
+                                          "deadline: examples seed 0 (~80 s, 31 s left)")

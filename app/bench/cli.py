@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from app.bench import reports
 from app.bench.gpu_check import BUDGET_S, WORK
 from app.bench.peers import TRAINERS, Setup
 from app.config import AugmentConfig, OptimConfig
@@ -176,8 +177,7 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
         flag("--budget", type=float, default=BUDGET_S, help="seconds for all the parts "
              f"(default {BUDGET_S:.0f}: each its whole deadline, the gpu tests about 15 min; "
              "from 600 the parts up to the gpu tests keep theirs, the rest goes to the tests)"),
-        flag("--out", default="gpu-check", help="the report folder: <part>.json, <part>.log, "
-             "summary.md"),
+        flag("--out", default="gpu-check", help="the reports: <part>.json, <part>.log, summary.md"),
         flag("--work", default=str(WORK), help="compile caches, the generated sample, run "
              "folders (kept out of --out); the imagenette part trains on IMAGENETTE_ROOT's "
              "photos, else on fast.ai's archive, downloaded once"),
@@ -186,9 +186,8 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
         flag("--list", action="store_true", help="name the parts and their deadlines in this "
              "budget, run nothing"),
         flag("-n", "--test-processes", type=int, default=4, help="gpu test processes sharing "
-             "the GPU (needs pytest-xdist; 1 = one after the other)"),
-        flag("-k", "--select", default="", help="only the gpu tests matching this pytest -k "
-             "expression"),
+             "the GPU (needs pytest-xdist)"),
+        flag("-k", "--select", default="", help="only the gpu tests matching this -k"),
         flag("--dali-threads", type=int, default=8, help="decoding threads (-j) of the DALI "
              "pipelines whose memory is measured"),
         flag("--dali-batch", type=int, default=256, help="their batch size"),
@@ -247,15 +246,15 @@ def peers_run(args: argparse.Namespace, error: Callable[[str], None]
     return setup, trainers, numbers(args.seeds), args.target
 
 
-# Each command's run from its flags: (its module, whose format_report prints it, the report);
-# torch-heavy modules load here, after parsing, so that --help and mistakes answer at once.
+# Each command's run from its flags, to its report (read by reports.<command>); torch-heavy
+# modules load here, after parsing, so that --help and mistakes answer at once.
 def e2e(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import e2e as bench  # noqa: PLC0415
     from app.data.decoders import DECODERS  # noqa: PLC0415
     decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
-    return bench, bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
-                                        args.image_size, args.workers, args.device, args.steps,
-                                        args.warmup, tuple(decoders), args.compile), save)
+    return bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
+                                 args.image_size, args.workers, args.device, args.steps,
+                                 args.warmup, tuple(decoders), args.compile), save)
 
 
 def model(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -267,7 +266,7 @@ def model(args: argparse.Namespace, save: Callable[[dict], None]):
     optimizers = [OptimConfig(optimizer=name) for name in args.optimizers.split(",") if name]
     optimizers += [dataclasses.replace(o, clip_grad_norm=args.clip_grad_norm)
                    for o in optimizers if args.clip_grad_norm]
-    return bench, bench.run(
+    return bench.run(
         args.arch, args.batch_size, args.image_size, args.device, args.steps, args.warmup,
         settings + ([] if args.no_peer else [bench.PEER]),
         augment if augment != AugmentConfig() else None, numbers(args.sizes), optimizers,
@@ -278,19 +277,19 @@ def model(args: argparse.Namespace, save: Callable[[dict], None]):
 def sync(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import sync as bench  # noqa: PLC0415
     modes = names_in("--modes", args.modes, bench.MODES)
-    return bench, bench.run(args.arch, args.batch_size, args.image_size,
-                            args.devices.split(","), args.steps, args.warmup, args.bucket_mb,
-                            args.compile, args.compile_backend, tuple(modes), save)
+    return bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
+                     args.steps, args.warmup, args.bucket_mb, args.compile,
+                     args.compile_backend, tuple(modes), save)
 
 
 def loader(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import loader as bench  # noqa: PLC0415
     from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
     augments = names_in("--auto-augment", args.auto_augment, AUTO_AUGMENT)
-    return bench, bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
-                            args.workers, args.batches, tuple(args.readers.split(",")),
-                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
-                            tuple(augments))
+    return bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
+                     args.workers, args.batches, tuple(args.readers.split(",")),
+                     tuple(args.decoders.split(",")), args.device, not args.no_peer,
+                     tuple(augments))
 
 
 def predict(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -298,8 +297,8 @@ def predict(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import predict as bench  # noqa: PLC0415
     if bool(args.model) == bool(args.arch):
         build_parser().error("predict: give EXPORT_DIR or -a ARCH (one of them)")
-    return bench, bench.run(args.model, args.arch, args.image_size, args.images,
-                            args.batch_size, args.repeats, args.limit)
+    return bench.run(args.model, args.arch, args.image_size, args.images, args.batch_size,
+                     args.repeats, args.limit)
 
 
 def start(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -311,12 +310,12 @@ def start(args: argparse.Namespace, save: Callable[[dict], None]):
     rows = bench.rows_for(numbers(args.workers), args.sync.split(","), numbers(args.loaders),
                           args.restart, args.peer)
     baseline = Path(args.baseline_repo).resolve() if args.baseline_repo else None
-    return bench, bench.run(setup, rows, args.repeats, baseline, save)
+    return bench.run(setup, rows, args.repeats, baseline, save)
 
 
 def peers(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import peers as bench  # noqa: PLC0415
-    return bench, bench.run(*peers_run(args, build_parser().error), save)
+    return bench.run(*peers_run(args, build_parser().error), save)
 
 
 def gpu_check(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -328,9 +327,10 @@ def gpu_check(args: argparse.Namespace, save: Callable[[dict], None]):
     except ValueError as error:
         build_parser().error(f"--parts: {error}")
     if args.list:
-        return None, bench.format_plan(parts)
-    return bench, bench.run(parts, args.budget, Path(args.out), Path(args.work),
-                            Path(args.archive) if args.archive else None)
+        print(bench.format_plan(parts))
+        return None
+    return bench.run(parts, args.budget, Path(args.out), Path(args.work),
+                     Path(args.archive) if args.archive else None)
 
 
 RUNS = {"e2e": e2e, "model": model, "sync": sync, "loader": loader, "predict": predict,
@@ -340,10 +340,9 @@ RUNS = {"e2e": e2e, "model": model, "sync": sync, "loader": loader, "predict": p
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     save = saver(getattr(args, "json", None))
-    bench, report = RUNS[args.command](args, save)
-    if bench is None:  # gpu-check --list: the plan
-        print(report)
+    report = RUNS[args.command](args, save)
+    if report is None:  # gpu-check --list printed the plan
         return 0
-    print(bench.format_report(report))
+    print("\n".join(getattr(reports, args.command.replace("-", "_"))(report)))
     save(report)
     return report.get("exit_code", 0)

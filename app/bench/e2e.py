@@ -153,20 +153,3 @@ def compare(report: dict) -> None:
         if "skipped" not in result:
             result["ratio_to_peer"] = result["images_per_s"] / results[0]["images_per_s"]
             result["share_of_model_only"] = result["images_per_s"] / model_only["images_per_s"]
-
-
-def format_report(report: dict) -> str:
-    s = report["setup"]
-    lines = [f"end to end: {s['arch']}, batch {s['batch_size']}, {s['image_size']} px, "
-             f"{s['dataset']}, {s['workers']} loader processes, {s['device']}",
-             f"{'run':<34}{'images/s':>10}{'vs peer':>9}{'of model':>10}{'cores':>7}"
-             f"{'peak GB':>9}"]
-    for r in report["results"]:
-        if "skipped" in r:
-            lines.append(f"{r['label']:<34}skipped: {r['skipped']}")
-            continue
-        peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        lines.append(f"{r['label']:<34}{r['images_per_s']:>10.1f}{r['ratio_to_peer']:>9.2f}"
-                     f"{r['share_of_model_only']:>9.0%}{r['cpu_cores']:>7.1f}{peak:>9}")
-    lines.append(f"model only, our settings: {report['model_only']['images_per_s']:.1f} img/s")
-    return "\n".join(lines)

@@ -11,17 +11,15 @@ its graphs rather than compiling them."""
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.bench import gpu_tests
+from app.bench import gpu_tests, reports
 from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts, sized
-from app.bench.part_runner import format_report as format_parts
-from app.bench.part_summaries import (dali_lines, e2e_lines, imagenette_lines, model_lines,
-                                      probe_lines, run_figures, run_lines, start_lines,
-                                      sync_lines)
 from app.bench.probe import check_requirements
 
 PYTHON = sys.executable
@@ -63,6 +61,29 @@ def module(name: str, *args: str) -> list[str]:
     return [PYTHON, "-m", name, *args]
 
 
+def run_figures(paths: Paths, name: str) -> dict | None:
+    """A driver run's figures, from its metrics.jsonl."""
+    metrics = paths.runs / name / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    intervals = [r for r in rows if "train/images_per_sec" in r][1:]  # the first compiles
+    epochs = [r for r in rows if "val/top1" in r]
+    compiled = [r["compile/first_step_s"] for r in rows if "compile/first_step_s" in r]
+    return {"finished": bool(epochs), "steps": max((r["step"] for r in rows), default=0),
+            "images_per_s": median(r["train/images_per_sec"] for r in intervals),
+            "data_wait": median(r["train/data_wait"] for r in intervals),
+            "compile_first_step_s": compiled[0] if compiled else None,
+            "epoch_time_s": epochs[-1]["epoch/time_s"] if epochs else None,
+            "skipped": epochs[-1]["train/skipped"] + epochs[-1]["val/skipped"] if epochs
+            else None}
+
+
+def median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
 def tests_part(options: Options) -> Part:
     def command(paths: Paths) -> list[str]:
         return gpu_tests.command(paths.out / "gpu_tests.xml", options.test_processes,
@@ -72,7 +93,7 @@ def tests_part(options: Options) -> Part:
         return gpu_tests.figures(paths.out / f"{name}.xml", paths.out / f"{name}.log")
 
     return Part("gpu_tests", f"the gpu tests, fastest first, {gpu_tests.TEST_TIMEOUT_S} s each",
-                TESTS_S, command, collect=collect, summary=gpu_tests.summary,
+                TESTS_S, command, collect=collect, summary=reports.gpu_tests,
                 env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}, reserved_s=TESTS_S, grows=True)
 
 
@@ -82,7 +103,7 @@ def dali_part(options: Options) -> Part:
                 lambda p: module("app.bench.dali_reserve", "--json", str(p.report("dali_memory")),
                                  "--threads", str(options.dali_threads), "--batch-size",
                                  str(options.dali_batch), "--sample", options.dali_sample),
-                summary=dali_lines)
+                summary=reports.dali)
 
 
 def imagenette_part(options: Options) -> Part:
@@ -93,7 +114,7 @@ def imagenette_part(options: Options) -> Part:
                 "without either", 145,
                 lambda p: module("app.bench.imagenette", "--json", str(p.report("imagenette")),
                                  *options.imagenette),
-                summary=imagenette_lines)
+                summary=reports.peers)
 
 
 # Deadlines in s: up to the gpu tests, with STOP_S and TESTS_S, they add up to 600 s (the
@@ -103,27 +124,27 @@ def parts(options: Options = Options()) -> list[Part]:
     return [
         Part("probe", "versions, GPU, memory", 30,
              lambda p: module("app.bench.probe", "--json", str(p.report("probe"))),
-             summary=probe_lines),
+             summary=reports.probe),
         imagenette_part(options),
         Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
              "px, batch 256, one GPU, one short epoch", 135,
              lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
-             collect=run_figures, summary=run_lines),
+             collect=run_figures, summary=reports.run),
         Part("gpus_ps", "--devices cuda:0,cuda:0 --sync ps: worker processes and the parameter "
              "server over CUDA memory, one short epoch", 55,
              lambda p: driver(p, "gpus_ps", *TRAIN, *TWO_WORKERS, "--sync", "ps"),
-             collect=run_figures, summary=run_lines),
+             collect=run_figures, summary=reports.run),
         Part("e2e", "ResNet-50 end to end per decoder (nvjpeg, pillow, dali if it imports) "
              "beside the pytorch/examples recipe and the model alone", 100,
              lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders",
                              "nvjpeg,pillow,dali", "--steps", "25", "--warmup", "5", "--json",
                              str(p.report("e2e"))),
-             summary=e2e_lines),
+             summary=reports.e2e),
         tests_part(options),
         # the extras: on whatever the parts above left unused
         Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
              lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
-             collect=run_figures, summary=run_lines),
+             collect=run_figures, summary=reports.run),
         # the trainer's compile, by regions; no 1-worker mode: two workers share the one GPU,
         # so one worker's step is no baseline
         Part("sync", "the gradient sync's overlap with backward, compiled by regions: ps, "
@@ -131,19 +152,19 @@ def parts(options: Options = Options()) -> list[Part]:
              lambda p: bench("sync", *RESNET, "--image-size", "224", "--devices",
                              "cuda:0,cuda:0", "--compile", "regions", "--modes", "ps,allreduce",
                              "--steps", "10", "--warmup", "3", "--json", str(p.report("sync"))),
-             summary=sync_lines),
+             summary=reports.sync),
         dali_part(options),
         Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
              "beside the pytorch/examples numerics", 120,
              lambda p: bench("model", *RESNET, "--steps", "20", "--warmup", "5", "--json",
                              str(p.report("model"))),
-             summary=model_lines),
+             summary=reports.model),
         Part("start", "what starting a run costs here: 1 and 2 workers on one GPU (ps), 6 "
              "loader processes each, and a restart after a killed worker", 120,
              lambda p: bench("start", "--device", "cuda:0", "--workers", "1,2", "-j", "6",
                              "--sync", "ps", "--restart", "--repeats", "1", "--json",
                              str(p.report("start"))),
-             summary=start_lines),
+             summary=reports.start),
     ]
 
 
@@ -179,10 +200,6 @@ def verdict(outcomes: list[dict]) -> tuple[str, int]:
     return "failed", 1
 
 
-def format_report(report: dict) -> str:
-    return f"{format_parts(report)}\nverdict: {report['verdict']}"
-
-
 def run(parts: list[Part], budget_s: float, out: Path, work: Path,
         archive: Path | None = None) -> dict:
     """The report: every part's outcome, the verdict and its exit code."""
@@ -194,4 +211,4 @@ def run(parts: list[Part], budget_s: float, out: Path, work: Path,
             "exit_code": code}
 
 
-__all__ = ["BUDGET_S", "WORK", "Options", "chosen", "format_plan", "format_report", "parts", "run"]
+__all__ = ["BUDGET_S", "WORK", "Options", "chosen", "format_plan", "parts", "run"]

@@ -73,11 +73,3 @@ def figures(junit_xml: Path, log: Path) -> dict:
     tests = parse_junit(junit_xml) if junit_xml.exists() else \
         ended_in_log(log.read_text(errors="replace"))
     return {"counts": dict(Counter(test["outcome"] for test in tests)), "tests": tests}
-
-
-def summary(f: dict) -> list[str]:
-    counts = ", ".join(f"{n} {outcome}" for outcome, n in f["counts"].items())
-    lines = [f"- {counts or 'none ended'}"]
-    return lines + [f"- {t['outcome']}: {t['name']}" + (f" ({t['message']})" if t.get("message")
-                                                        else "")
-                    for t in f["tests"] if t["outcome"] not in ("passed", "skipped")]

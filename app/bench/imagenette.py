@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from app.bench import peers
+from app.bench import peers, reports
 from app.bench.cli import build_parser, peers_run, saver
 from app.bench.part_runner import DEADLINE_ENV
 from app.runtime.cli import run_cli
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         print(f"imagenette: skipped: {first_line(error)}")
         return 0
     report = run(setup, root, trainers, seeds, target, deadline, save, started)
-    print(peers.format_report(report))
+    print("\n".join(reports.peers(report)))
     return 0
 
 

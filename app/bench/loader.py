@@ -150,31 +150,3 @@ def same_pipeline(plain: dict, result: dict) -> bool:
     """`plain` is `result`'s row without auto-augment."""
     keys = ("dataset", "reader", "decoder")
     return plain["auto_augment"] == "off" and all(plain[k] == result[k] for k in keys)
-
-
-def format_report(report: dict) -> str:
-    lines = [f"loader only (read + decode + augment, batches on {report['device']}), batch "
-             f"{report['batch_size']}, {report['workers']} loader processes, "
-             f"{report['image_size']} px, {report['batches']} batches; reader alone: client CPU "
-             "per GET, no cache",
-             f"{'dataset':<16}{'reader':<9}{'decoder':<18}{'augment':<9}{'images/s':>10}"
-             f"{'vs first':>9}{'vs plain':>9}{'cores':>6}{'CPU ms/img':>11}{'GETs/s':>9}"
-             f"{'CPU ms/GET':>11}{'vs base':>8}{'1st s':>8}"]
-    peer = report["peer"]
-    if peer:
-        lines.append(f"{peer['dataset']:<16}{'-':<9}{peer['decoder']:<18}{'off':<9}"
-                     f"{peer['images_per_s']:>10.1f}{'':>18}{peer['cpu_cores']:>6.1f}"
-                     f"{peer['cpu_ms_per_image']:>11.2f}")
-    for r in report["results"]:
-        lines.append(f"{r['dataset']:<16}{r['reader']:<9}{r['decoder']:<18}"
-                     f"{r['auto_augment']:<9}{r['images_per_s']:>10.1f}"
-                     f"{r['ratio_to_first']:>9.2f}{r['ratio_to_plain']:>9.2f}"
-                     f"{r['cpu_cores']:>6.1f}{r['cpu_ms_per_image']:>11.2f}"
-                     f"{r['gets_per_s']:>9.1f}{r['cpu_ms_per_get']:>11.2f}"
-                     f"{r['cpu_per_get_vs_baseline']:>8.2f}{r['first_batch_s']:>8.2f}")
-    if peer:
-        lines.append("vs the pytorch/examples loader: " + ", ".join(
-            f"{r['dataset']}/{r['reader']}/{r['decoder']}/{r['auto_augment']} "
-            f"{r['ratio_to_peer']:.2f}x"
-            for r in report["results"]))
-    return "\n".join(lines)

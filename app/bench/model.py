@@ -218,36 +218,3 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
     for result in results:
         result["ratio_to_peer"] = result["images_per_s"] / baseline if baseline else None
     return report
-
-
-def format_report(report: dict) -> str:
-    first = report["results"][0]
-    lines = [f"model only: {first['arch']}, batch {first['batch_size']}, "
-             f"{first['image_size']} px, {first['device']}",
-             f"{'setting':<40}{'images/s':>10}{'vs peer':>9}{'first step':>12}{'peak GB':>9}"]
-    for r in report["results"]:
-        peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        peer = f"{r['ratio_to_peer']:.2f}" if r["ratio_to_peer"] is not None else "-"
-        lines.append(f"{r['label']:<40}{r['images_per_s']:>10.1f}{peer:>9}"
-                     f"{r['first_step_s']:>11.1f}s{peak:>9}")
-    extra = report.get("batch_augment")
-    if extra:
-        lines.append(f"batch augment (erase {extra['random_erase']:g}, mixup "
-                     f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
-                     f"{extra['ms_per_step']:.2f} ms per batch, "
-                     f"{100 * extra['share_of_plain_step']:.1f}% of the first setting's step")
-    for row in report.get("optimizers", []) + ([report["ema"]] if "ema" in report else []):
-        lines.append(f"{row['label']:<40}{row['images_per_s']:>10.1f}  step "
-                     f"{row['step_ms']:.1f} ms = {row['step_vs_plain']:.3f}x the first setting's")
-    sizes = report.get("sizes")
-    if sizes:
-        first_step = sizes["results"][0]["optimizer_step"]
-        lines.append(f"by batch, image size and optimizer step ({sizes['setting']}):")
-        lines.append(f"{'batch':>6}{'size':>6}{'step':>9}{'images/s':>10}{'step ms':>9}"
-                     f"{'vs largest':>12}{'pixels ratio':>14}{'vs ' + first_step:>12}")
-        for r in sizes["results"]:
-            lines.append(f"{r['batch_size']:>6}{r['image_size']:>6}{r['optimizer_step']:>9}"
-                         f"{r['images_per_s']:>10.1f}{r['step_ms']:>9.1f}"
-                         f"{r['speed_vs_largest']:>12.2f}{r['pixels_vs_largest']:>14.2f}"
-                         f"{r['speed_vs_first_step']:>12.3f}")
-    return "\n".join(lines)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from app.bench.reports import table
 from app.runtime.files import write_atomically
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,15 +175,16 @@ def pack(folder: Path, archive: Path) -> None:
 def write_summary(path: Path, budget_s: float, parts: list[Part], outcomes: list[dict]) -> None:
     spent = sum(o["seconds"] for o in outcomes)
     lines = [f"# gpu-check, {time.strftime('%Y-%m-%d %H:%M')}: {spent:.0f} s of {budget_s:.0f} s",
-             "", "| part | what | status | seconds |", "| --- | --- | --- | --- |"]
-    lines += [f"| {o['name']} | {o['what']} | {o['status']} | {o['seconds']:.0f} |"
-              for o in outcomes]
+             "", *table("part|what|status|seconds", ((o["name"], o["what"], o["status"],
+                                                      f"{o['seconds']:.0f}") for o in outcomes))]
     summaries = {part.name: part.summary for part in parts}
     for outcome in outcomes:
-        if outcome["figures"]:
+        figures = outcome["figures"]
+        if figures:
             lines += ["", f"## {outcome['name']}", ""]
             try:
-                lines += summaries[outcome["name"]](outcome["figures"])
+                lines += [f"- skipped: {figures['skipped']}"] if "skipped" in figures else \
+                    summaries[outcome["name"]](figures)
             except Exception as error:  # noqa: BLE001 (the figures stay in <part>.json)
                 lines.append(f"(figures in {outcome['name']}.json; summary failed: {error})")
     path.write_text("\n".join(lines) + "\n")
@@ -197,8 +199,3 @@ def part_environment(paths: Paths) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(cache / "triton"), "PYTHONUNBUFFERED": "1",
             "IMAGENET_DP_CACHE": os.environ.get("IMAGENET_DP_CACHE",
                                                 str(paths.work / "samples"))}
-
-
-def format_report(report: dict) -> str:
-    return "\n".join(f"{o['name']:<16}{o['status']:<40}{o['seconds']:>7.0f} s"
-                     for o in report["parts"]) + f"\nsummary: {report['summary']}"

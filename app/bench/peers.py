@@ -107,9 +107,6 @@ def fastai_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-RECIPES = {"own": "each its own default", "ours": "timm's train.py ours, main.py its own"}
-
-
 def timm_recipe_flags(setup: Setup) -> tuple[str, ...]:
     """Our config's recipe in train.py's flags. FFCV's one-cycle (linear up to the peak epoch,
     linear down to zero at the last) is train.py's `poly` schedule of power 1 after a warmup
@@ -301,28 +298,3 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
     for row in summary.values():
         row["wall_vs_first"] = row["wall_s_mean"] / base["wall_s_mean"] if base else None
     return summary
-
-
-def reached(row: dict) -> str:
-    """The mean time to the target of the runs that reached it, or "-" where none did."""
-    return f"{row['time_to_target_s_mean']:.0f}s" if row["runs_at_target"] else "-"
-
-
-def format_report(report: dict) -> str:
-    setup = report["setup"]
-    models = setup["arch"] + (f" (peers: {setup['peer_arch']})" if setup.get("peer_arch") else "")
-    lines = [f"{models}, {setup['image_size']} px, {setup['epochs']} epochs, batch "
-             f"{setup['batch_size']}, -j {setup['workers']}, {report['root']}; the peers' "
-             f"recipes: {RECIPES[setup.get('peer_recipe', 'own')]}",
-             f"{'trainer':10s} {'seeds':>5s} {'top-1 mean':>10s} {'min-max':>15s} "
-             f"{'wall s':>8s} {'wall vs first':>14s} {'train img/s':>11s}"
-             + (f" {'at target':>9s} {'time to it':>10s}" if report["target"] else "")]
-    for trainer, row in report["summary"].items():
-        speed = row.get("train_images_per_s_mean")
-        lines.append(f"{trainer:10s} {row['seeds']:5d} {row['top1_mean']:10.4f} "
-                     f"{row['top1_min']:.4f}-{row['top1_max']:.4f} {row['wall_s_mean']:8.0f} "
-                     f"{row['wall_vs_first']:13.2f}x "
-                     f"{f'{speed:.1f}' if speed is not None else '-':>11s}"
-                     + (f" {row['runs_at_target']:9d} {reached(row):>10s}"
-                        if report["target"] else ""))
-    return "\n".join(lines)

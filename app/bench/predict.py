@@ -54,18 +54,3 @@ def run(model: str, arch: str, image_size: int, images: list[str], batch_size: i
                                           .abs().max()),
             "top1_agreement": float((logits["pytorch"].argmax(1) ==
                                      logits["onnxruntime"].argmax(1)).float().mean())}
-
-
-def format_report(report: dict) -> str:
-    lines = [f"predict: {report['arch']} at {report['image_size']} px, {report['images']} "
-             f"images, batch {report['batch_size']}, CPU ({report['torch_threads']} torch "
-             f"threads), best of {report['repeats']}",
-             f"{'runtime':<14}{'model img/s':>14}{'end to end img/s':>19}"]
-    base = report["results"][0]
-    for r in report["results"]:
-        ratio = r["model_images_per_s"] / base["model_images_per_s"]
-        lines.append(f"{r['runtime']:<14}{r['model_images_per_s']:>14.1f}"
-                     f"{r['e2e_images_per_s']:>19.1f}   x{ratio:.2f} (model)")
-    lines.append(f"logits differ by at most {report['max_logit_difference']:.2e}; top-1 "
-                 f"agrees on {report['top1_agreement']:.1%} of the images")
-    return "\n".join(lines)

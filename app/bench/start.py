@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from app.bench.reports import start_row
 from app.bench.usage import TICKS
 from app.parallel.plans import free_port
 
@@ -187,7 +188,7 @@ def run(setup: Setup, rows: list[Row], repeats: int, baseline: Path | None,
             report["rows"].append({**asdict(row), "label": row.label(), "version": version,
                                    "runs": runs, **medians(runs)})
             save(report)
-            print(format_row(report["rows"][-1]), file=sys.stderr, flush=True)
+            print(*start_row(report["rows"][-1]), sep="  ", file=sys.stderr, flush=True)
     return report
 
 
@@ -202,21 +203,3 @@ def measure(setup: Setup, row: Row, repo: Path, imagefolder: Path | None) -> dic
 def medians(runs: list[dict]) -> dict:
     return {f"median_{key}": statistics.median(run[key] for run in runs)
             for key in ("cpu_s", "first_step_s", "wall_s")}
-
-
-def format_row(row: dict) -> str:
-    spread = lambda key: "-".join(f"{f(run[key] for run in row['runs']):.1f}"  # noqa: E731
-                                  for f in (min, max))
-    return (f"{row['label']:<34} {row['version']:<9} CPU {row['median_cpu_s']:6.1f} s "
-            f"({spread('cpu_s')})  first step {row['median_first_step_s']:5.1f} s "
-            f"({spread('first_step_s')})  wall {row['median_wall_s']:5.1f} s")
-
-
-def format_report(report: dict) -> str:
-    setup = report["setup"]
-    lines = [f"start: {setup['dataset']}, -a {setup['arch']}, {setup['image_size']} px, "
-             f"-b {setup['batch_size']} per worker, {setup['epochs']} epoch(s); machine CPU "
-             "seconds from /proc/stat, medians (min-max); restart rows: from the kill"]
-    lines += [format_row(row) for row in report["rows"]]
-    return "\n".join(lines)
-

@@ -115,17 +115,3 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
                     by_mode["allreduce"]["step_time_s"]
             progress(report)
     return report
-
-
-def format_report(report: dict) -> str:
-    lines = [f"{report['arch']} ({report['gradient_mb']:.0f} MB of gradients), batch "
-             f"{report['batch_per_worker']} per worker, {report['image_size']} px, devices "
-             f"{','.join(report['devices'])}, compile {report['compile']}, median of "
-             f"{report['steps']} steps",
-             f"{'mode':<28}{'step time':>12}{'images/s':>12}"]
-    for r in report["results"]:
-        lines.append(f"{r['label']:<28}{r['step_time_s'] * 1000:>10.1f}ms"
-                     f"{r['images_per_s']:>12.1f}")
-    if report["ps_over_allreduce"] is not None:
-        lines.append(f"ps / allreduce step time: {report['ps_over_allreduce']:.3f}")
-    return "\n".join(lines)
