@@ -1,6 +1,6 @@
 """Benchmark harness for a run folder in a bucket (not a test): a ResNet-50 (23.5 M weights,
 ~190 MB checkpoints with SGD's momentum) trained on the tiny sample at 32 px with
-`--output-dir s3://...` against moto_server on loopback, so that docs/benchmarks.md's figures
+`--output-dir s3://...` against moto_server on loopback, so that docs/results.md's figures
 have a command that repeats them:
 
     python tests/remote_save_bench.py [--arch resnet50] [--batch 8] [--epochs 3]

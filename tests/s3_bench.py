@@ -1,5 +1,5 @@
 """Benchmark harness for object-store reads (not a test): the real parts of tests/s3.py put
-together so that docs/benchmarks.md's S3 figures have a command that repeats them.
+together so that docs/results.md's S3 figures have a command that repeats them.
 
 It generates (or reuses) a sample, uploads it to moto_server on loopback, puts a FaultyProxy
 in front (`--latency` per request; `--remember` answers repeated GETs from memory, so the

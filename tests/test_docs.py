@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import run_driver
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_EXAMPLES = sorted((REPO / "examples").rglob("*.sbatch"))
@@ -245,3 +247,22 @@ spec:
 """
     assert unknown_flags(script, commands) == ["driver.py: --resum", "driver.py: --gpu"]
     assert unknown_flags(manifest, manifest_commands) == ["driver.py: --run-nam"]
+
+
+def test_the_readmes_demo_runs_as_make_demo_runs_it_and_ends_as_the_readme_shows(
+        sample_cache, tmp_path):
+    """`make demo`'s command (read from `make -n demo`, so README, Makefile and test cannot
+    drift), run as written: its last line has the shape of the README's, and it learned the
+    generated sample (10 classes: chance is 10%) as the README says."""
+    made = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    words = shlex.split(next(line for line in made if "bin/driver.py" in line))
+    assert words[1:] == ["bin/driver.py", "--config", "configs/demo.toml"], words
+    last = re.compile(r"epoch 4/4  train loss \d\.\d{4}  val top-1 (\d\.\d{4})  top-5 \d\.\d{4}  "
+                      r"loss \d\.\d{4}  time \d+\.\ds  skipped 0 images")
+    readme = (REPO / "README.md").read_text()
+    assert last.search(readme) and float(last.search(readme)[1]) >= 0.9
+    result = run_driver("--config", str(REPO / "configs" / "demo.toml"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    ended = last.fullmatch(result.stdout.strip().splitlines()[-1])
+    assert ended and float(ended[1]) >= 0.9, result.stdout[-2000:]

@@ -143,7 +143,7 @@ def test_two_workers_train_the_tiny_sample(tmp_path, sync, loader_workers):
                                           ("allreduce", "worker 1 (cpu)")])
 def test_killing_a_process_stops_everything_within_3_seconds(tmp_path, sync, victim):
     """Kill -> exit took 3.5-4.4 s here while the driver's interpreter tore itself down after
-    its error line, 0.7-1.3 s since it ends at once (docs/benchmarks.md, "A failed run").
+    its error line, 0.7-1.3 s since it ends at once.
     The part that changed is bounded on its own: from the error line to the exit, 1.8-3.8 s
     before, 0.1-0.6 s since, on this 2-core machine at load 3-6 (the suite's own load)."""
     process, marker = start_driver(tmp_path, "--sync", sync, "-j", "1")

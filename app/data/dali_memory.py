@@ -10,8 +10,8 @@ defaults. Threads: no more than the batch's images (a thread decodes one image o
 beyond the batch size would hold buffers and never decode).
 
 The preallocation hint is the largest width and height among the headers of a seeded sample of
-the split's images (`largest_image`), not ImageNet's largest (GBs per pipeline:
-docs/benchmarks.md); an image beyond it makes nvJPEG grow that buffer once.
+the split's images (`largest_image`), not ImageNet's largest (GBs per pipeline, measured);
+an image beyond it makes nvJPEG grow that buffer once.
 """
 
 from __future__ import annotations

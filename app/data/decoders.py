@@ -2,7 +2,7 @@
 
 Implementations are imported only when chosen: a machine without DALI runs the others. `auto`
 on a GPU is DALI when it imports, else torchvision's nvJPEG (nothing to install); on a CPU,
-Pillow: about as fast there (docs/benchmarks.md), it starts faster and decodes in the loader
+Pillow: about as fast there (docs/results.md), it starts faster and decodes in the loader
 processes rather than in the training process.
 """
 

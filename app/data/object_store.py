@@ -2,7 +2,7 @@
 requests in flight while the current batch decodes.
 
 One GET per image on a pool of `concurrency` threads (obstore releases the GIL; threads cost
-less CPU per GET than its asyncio calls: docs/benchmarks.md). The images the caller will ask
+less CPU per GET than its asyncio calls, measured). The images the caller will ask
 for next (`upcoming`) queue behind the current batch's, so a loader process never waits a whole
 round trip between batches; only the current and announced images are kept.
 """

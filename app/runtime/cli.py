@@ -42,7 +42,7 @@ def kill_daemon_children() -> None:
 def end_process(code: int) -> NoReturn:
     """Exit with `code` once the work is done: the exit handlers run (multiprocessing joins
     this process's children, logging flushes), the output is flushed, and the process ends at once,
-    skipping the interpreter's slow teardown (measured: docs/benchmarks.md) for which a scheduler
+    skipping the interpreter's slow teardown (seconds, measured, for a killed run) for which a scheduler
     would hold the job's nodes. Daemon children (loader processes) are killed first: multiprocessing
     would SIGTERM them and wait, and they ignore SIGTERM."""
     kill_daemon_children()

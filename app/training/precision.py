@@ -24,7 +24,7 @@ class Precision:
         device = torch.device(device)
         on_cuda = device.type == "cuda"
         if amp == "auto":  # bf16 where the device computes it natively: ~1.4x fp32's steps on
-            # a CPU with bf16 instructions (docs/benchmarks.md), slower than fp32 on one without
+            # a CPU with bf16 instructions (docs/results.md), slower than fp32 on one without
             amp = "bf16" if on_cuda or cpu_computes_bf16() else "off"
         # channels_last pays on CUDA tensor cores and with bf16 on a CPU (oneDNN's blocked
         # kernels); in fp32 on a CPU it only adds copies.

@@ -26,7 +26,7 @@ log = logging.getLogger("imagenet_dp")
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
     """`auto` compiles on CUDA only: on a CPU the compile time outweighs the gain of a short
-    run (measured: docs/benchmarks.md)."""
+    run (ResNet-50 at 96 px on 2 cores: 107 s of inductor's compile before the first step)."""
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
