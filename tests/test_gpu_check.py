@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench import gpu_check, gpu_tests, imagenette, peer_examples, peers, reports
+from app.bench import gpu_check, gpu_tests, peer_examples, peers, reports
 from app.bench.cli import build_parser, peers_run
 from app.bench.part_runner import (MIN_PART_S, STOP_S, Part, Paths, part_environment, run_parts,
                                    sized, time_for)
@@ -150,23 +150,22 @@ def test_every_real_part_calls_its_script_with_flags_it_accepts(tmp_path):
         assert command[0] == sys.executable, part.name
         script = Path(command[1]).name if command[1].endswith(".py") else command[2]
         if script == "bench.py":
-            build_parser().parse_args(command[2:])
+            args = build_parser().parse_args(command[2:])
+            if part.name == "imagenette":
+                imagenette_runs_accept_their_flags(args, paths)
         elif script == "driver.py":
             config, _ = parse_config(command[2:])
             assert config.run.output_dir.startswith(str(paths.work))  # not into --out
-        elif script == "app.bench.imagenette":
-            imagenette_runs_accept_their_flags(command[3:], paths)
         else:
             assert script in ("app.bench.probe", "app.bench.dali_reserve", "pytest"), part.name
 
 
-def imagenette_runs_accept_their_flags(argv: list[str], paths: Paths) -> None:
+def imagenette_runs_accept_their_flags(row, paths: Paths) -> None:
     """The row as published, on fast.ai's archive (the user's copy with IMAGENETTE_ROOT): our
     driver's command parses to the config's recipe, the 2020 holder's (its SE-ResNeXt, built
     here, Ranger, batch 32, the shorter-side crop at 128 px throughout), the peer's to
     torchvision's ResNet-50."""
-    row, deadline = imagenette.arguments(argv)
-    assert (row.dataset, row.seeds, row.device, row.target, row.trainers, deadline) == (
+    assert (row.dataset, row.seeds, row.device, row.target, row.trainers, row.deadline) == (
         "imagenette" if not os.environ.get("IMAGENETTE_ROOT") else "imagenette_local", "0,1,2",
         "cuda:0", 0.8577, "ours,examples", 0.0)
     assert row.json == str(paths.report("imagenette"))
@@ -304,9 +303,9 @@ def tiny_photos(folder: Path) -> Path:
     return folder
 
 
-def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_users_photos(tmp_path,
+def test_the_imagenette_part_says_why_it_fails_then_trains_on_the_users_photos(tmp_path,
                                                                                 monkeypatch):
-    """The imagenette part through gpu-check's runner, at a tiny size on a CPU: skipped, with
+    """The imagenette part through gpu-check's runner, at a tiny size on a CPU: failed, with
     the catalog's reason, where IMAGENETTE_ROOT names no folder; then ours and the peer train
     on the photos it names, each run's top-1 after its epoch read from the photos' own val set
     (6 photos: a multiple of 1/6)."""
@@ -314,10 +313,10 @@ def test_the_imagenette_part_says_why_it_skips_then_trains_on_the_users_photos(t
     part = next(p for p in gpu_check.parts(gpu_check.Options(imagenette=REHEARSAL))
                 if p.name == "imagenette")
     monkeypatch.setenv("IMAGENETTE_ROOT", str(tmp_path / "nowhere"))
-    skipped = run_parts([part], 60, paths, part_environment(paths))[0]
-    assert skipped["status"] == "ok" and "not found" in skipped["figures"]["skipped"]
-    assert f"imagenette: skipped: dataset 'imagenette_local': root {tmp_path / 'nowhere'}" in \
-        skipped["log_tail"]
+    failed = run_parts([part], 60, paths, part_environment(paths))[0]
+    assert failed["status"] == "failed (exit 2)" and failed["figures"] is None
+    assert f"error: dataset 'imagenette_local': root {tmp_path / 'nowhere'} not found" in \
+        failed["log_tail"]
     monkeypatch.setenv("IMAGENETTE_ROOT", str(tiny_photos(tmp_path / "photos")))
     # the runner tells the part its deadline: a long one, so that the peer's run fits however
     # loaded this machine is
@@ -341,9 +340,9 @@ def test_the_imagenette_part_starts_only_runs_expected_to_end_in_time():
     """A trainer's later runs are expected to take its longest so far (with room); its first,
     twice the longest of any; and what was left out is said in the summary."""
     runs = [{"trainer": "ours", "wall_s": 30.0}, {"trainer": "ours", "wall_s": 40.0}]
-    assert imagenette.expected_s("ours", []) == 0.0  # the first run of all always starts
-    assert imagenette.expected_s("ours", runs) == 40.0 * imagenette.RUN_FACTOR
-    assert imagenette.expected_s("examples", runs) == 40.0 * imagenette.FIRST_RUN_FACTOR
+    assert peers.expected_s("ours", []) == 0.0  # the first run of all always starts
+    assert peers.expected_s("ours", runs) == 40.0 * peers.RUN_FACTOR
+    assert peers.expected_s("examples", runs) == 40.0 * peers.FIRST_RUN_FACTOR
     figures = {"setup": {"arch": "xse_resnext_mini", "image_size": 128, "epochs": 5,
                          "batch_size": 32, "workers": 12}, "root": "/photos", "target": 0.8577,
                "runs": [], "summary": {},

@@ -12,6 +12,7 @@ from typing import Callable
 
 from app.bench import reports
 from app.bench.gpu_check import BUDGET_S, WORK
+from app.bench.part_runner import DEADLINE_ENV
 from app.bench.peers import TRAINERS, Setup
 from app.config import AugmentConfig, OptimConfig
 from app.runtime.files import write_atomically
@@ -108,15 +109,11 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
         flag("--batches", type=int, default=20),
         flag("--readers", default="s3fs,obstore", help="readers to compare on object-store "
              "datasets, the baseline first"),
-        flag("--decoders", default="pillow", help="input pipelines to compare, e.g. "
-             "pillow,dali"),
-        flag("--device", default="cpu", help="where batches are delivered (cuda: DALI decodes "
-             "on the GPU)"),
-        flag("--auto-augment", default="", help="also measure these auto-augment policies, "
-             "e.g. ta_wide or ta_wide,ra,imagenet: a row each beside the plain one, per "
-             "decoder"),
-        flag("--no-peer", action="store_true", help="skip the pytorch/examples loader "
-             "baseline"), JSON]),
+        flag("--decoders", default="pillow", help="input pipelines to compare: pillow,dali"),
+        flag("--device", default="cpu", help="where batches go (cuda: DALI decodes on it)"),
+        flag("--auto-augment", default="", help="also these auto-augment policies, e.g. "
+             "ta_wide,ra,imagenet: a row each beside the plain one, per decoder"),
+        flag("--no-peer", action="store_true", help="skip the pytorch/examples loader"), JSON]),
     "predict": ("predict images/s: an export's model.onnx in ONNX Runtime vs our PyTorch "
                 "model, same images", [
         flag("model", nargs="?", default="", metavar="EXPORT_DIR", help="an export folder "
@@ -158,9 +155,8 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
         flag("--seeds", default="0,1"),
         flag("--trainers", default=",".join(TRAINERS), help="the first is the baseline of the "
              "wall-time ratios"),
-        flag("--timm-train", default="", help="train.py of a pytorch-image-models checkout "
-             "(git clone https://github.com/huggingface/pytorch-image-models); needed for the "
-             "timm trainer"),
+        flag("--timm-train", default="", help="the timm trainer's train.py, of a checkout of "
+             "https://github.com/huggingface/pytorch-image-models"),
         flag("--device", default="cpu", help="cpu, or cuda:0: each trainer on one GPU (timm's "
              "train.py with --amp --channels-last, as its README runs)"),
         flag("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
@@ -170,7 +166,9 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
              "recipe (schedule, LR, smoothing, decay, augmentation): only the trainer differs"),
         flag("--ours-args", default="", help="more of the driver's flags for ours, in one "
              "string (a variant of the config's recipe, e.g. \"--mean 0,0,0 --std 1,1,1\")"),
-        JSON]),
+        flag("--deadline", type=float, default=float(os.environ.get(DEADLINE_ENV, 0)),
+             help="seconds: the first trainer's seeds first, and only runs expected to end "
+             "within them (default: a gpu-check part's own; 0: none)"), JSON]),
     "gpu-check": ("prove a GPU machine end to end within a time budget (a new GPU box, a cloud "
                   "image, a driver upgrade): parts in their order of value, each with its own "
                   "deadline, each report written the moment it ends", [
@@ -179,17 +177,15 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
              "from 600 the parts up to the gpu tests keep theirs, the rest goes to the tests)"),
         flag("--out", default="gpu-check", help="the reports: <part>.json, <part>.log, summary.md"),
         flag("--work", default=str(WORK), help="compile caches, the generated sample, run "
-             "folders (kept out of --out); the imagenette part trains on IMAGENETTE_ROOT's "
-             "photos, else on fast.ai's archive, downloaded once"),
+             "folders (kept out of --out)"),
         flag("--archive", help="also pack the report folder into this .tar.gz after each part"),
         flag("--parts", default="", help="only these, comma-separated (--list names them)"),
-        flag("--list", action="store_true", help="name the parts and their deadlines in this "
-             "budget, run nothing"),
+        flag("--list", action="store_true", help="the parts and their deadlines, run nothing"),
         flag("-n", "--test-processes", type=int, default=4, help="gpu test processes sharing "
              "the GPU (needs pytest-xdist)"),
         flag("-k", "--select", default="", help="only the gpu tests matching this -k"),
-        flag("--dali-threads", type=int, default=8, help="decoding threads (-j) of the DALI "
-             "pipelines whose memory is measured"),
+        flag("--dali-threads", type=int, default=8, help="threads (-j) of the DALI pipelines "
+             "measured"),
         flag("--dali-batch", type=int, default=256, help="their batch size"),
         flag("--dali-sample", default="tiny", choices=("tiny", "bench"), help="the sample they "
              "read (bench: ImageNet-sized images, which the first batch's memory depends on)")]),
@@ -315,7 +311,7 @@ def start(args: argparse.Namespace, save: Callable[[dict], None]):
 
 def peers(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import peers as bench  # noqa: PLC0415
-    return bench.run(*peers_run(args, build_parser().error), save)
+    return bench.run(*peers_run(args, build_parser().error), save, args.deadline)
 
 
 def gpu_check(args: argparse.Namespace, save: Callable[[dict], None]):

@@ -12,6 +12,7 @@ its graphs rather than compiling them."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,8 @@ TWO_WORKERS = ("--devices", "cuda:0,cuda:0", "-j", "6", "--check-every", "1")
 BUDGET_S = 1800.0
 TESTS_S = 115.0  # the gpu tests' slice, reserved
 WORK = Path(tempfile.gettempdir()) / "imagenet-dp-gpu-check"  # the default --work
+IMAGENETTE_CONFIG = "configs/imagenette_128_5.toml"
+TARGET = 0.8577  # the leaderboard's top-1 for 128 px, 5 epochs
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,20 @@ def module(name: str, *args: str) -> list[str]:
     return [PYTHON, "-m", name, *args]
 
 
+def imagenette_row() -> list[str]:
+    """Imagenette's leaderboard row (fastai/imagenette: 85.77% top-1, the mean of 5 runs) as
+    `peers` flags: ours with the row's config, its model and batch size taken from it (one
+    place says the recipe), pytorch/examples' recipe on torchvision's ResNet-50 (it has no
+    SE-ResNeXt); the user's copy (the catalog's imagenette_local) or fast.ai's archive."""
+    from app.config.sources import file_overrides, make_config  # noqa: PLC0415
+    config = make_config(file_overrides(str(REPO / IMAGENETTE_CONFIG)))
+    return ["peers", "--dataset", "imagenette_local" if os.environ.get("IMAGENETTE_ROOT")
+            else "imagenette", "--config", IMAGENETTE_CONFIG, "-a", config.model.arch,
+            "--peer-arch", "resnet50", "--image-size", "128", "-b", str(config.train.batch_size),
+            "--epochs", "5", "-j", "12", "--device", "cuda:0", "--trainers", "ours,examples",
+            "--seeds", "0,1,2", "--target", str(TARGET)]
+
+
 def run_figures(paths: Paths, name: str) -> dict | None:
     """A driver run's figures, from its metrics.jsonl."""
     metrics = paths.runs / name / "metrics.jsonl"
@@ -84,48 +101,21 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def tests_part(options: Options) -> Part:
-    def command(paths: Paths) -> list[str]:
-        return gpu_tests.command(paths.out / "gpu_tests.xml", options.test_processes,
-                                 options.select)
-
-    def collect(paths: Paths, name: str) -> dict:
-        return gpu_tests.figures(paths.out / f"{name}.xml", paths.out / f"{name}.log")
-
-    return Part("gpu_tests", f"the gpu tests, fastest first, {gpu_tests.TEST_TIMEOUT_S} s each",
-                TESTS_S, command, collect=collect, summary=reports.gpu_tests,
-                env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"}, reserved_s=TESTS_S, grows=True)
-
-
-def dali_part(options: Options) -> Part:
-    return Part("dali_memory", "what each DALI pipeline (train, then val) reserves at build and "
-                "at its first batch, beside the formula", 45,
-                lambda p: module("app.bench.dali_reserve", "--json", str(p.report("dali_memory")),
-                                 "--threads", str(options.dali_threads), "--batch-size",
-                                 str(options.dali_batch), "--sample", options.dali_sample),
-                summary=reports.dali)
-
-
-def imagenette_part(options: Options) -> Part:
-    return Part("imagenette", "Imagenette's leaderboard row, 128 px 5 epochs (target top-1 "
-                "0.8577): our recipe (the 2020 holder's: its SE-ResNeXt, Ranger, batch 32) on the "
-                "real photos (IMAGENETTE_ROOT, else fast.ai's archive, downloaded once), seeds "
-                "0, 1, 2, then pytorch/examples' recipe while a run fits; skipped, saying why, "
-                "without either", 145,
-                lambda p: module("app.bench.imagenette", "--json", str(p.report("imagenette")),
-                                 *options.imagenette),
-                summary=reports.peers)
-
-
 # Deadlines in s: up to the gpu tests, with STOP_S and TESTS_S, they add up to 600 s (the
 # module's docstring says why).
 def parts(options: Options = Options()) -> list[Part]:
     """Every part, in its order of value."""
+    o = options
     return [
         Part("probe", "versions, GPU, memory", 30,
              lambda p: module("app.bench.probe", "--json", str(p.report("probe"))),
              summary=reports.probe),
-        imagenette_part(options),
+        Part("imagenette", "Imagenette's leaderboard row, 128 px 5 epochs (target top-1 "
+             f"{TARGET}): our recipe (the 2020 holder's: its SE-ResNeXt, Ranger, batch 32) on "
+             "the real photos (IMAGENETTE_ROOT, else fast.ai's archive, downloaded once), "
+             "seeds 0, 1, 2, then pytorch/examples' recipe while a run fits", 145,
+             lambda p: bench(*imagenette_row(), "--json", str(p.report("imagenette")),
+                             *o.imagenette), summary=reports.peers),
         Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
              "px, batch 256, one GPU, one short epoch", 135,
              lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
@@ -138,33 +128,41 @@ def parts(options: Options = Options()) -> list[Part]:
              "beside the pytorch/examples recipe and the model alone", 100,
              lambda p: bench("e2e", *DATA, *RESNET, "-j", "12", "--decoders",
                              "nvjpeg,pillow,dali", "--steps", "25", "--warmup", "5", "--json",
-                             str(p.report("e2e"))),
-             summary=reports.e2e),
-        tests_part(options),
+                             str(p.report("e2e"))), summary=reports.e2e),
+        Part("gpu_tests", f"the gpu tests, fastest first, {gpu_tests.TEST_TIMEOUT_S} s each",
+             TESTS_S, lambda p: gpu_tests.command(p.out / "gpu_tests.xml", o.test_processes,
+                                                  o.select),
+             collect=lambda p, name: gpu_tests.figures(p.out / f"{name}.xml",
+                                                       p.out / f"{name}.log"),
+             summary=reports.gpu_tests, env={"IMAGENET_DP_TESTS_FASTEST_FIRST": "1"},
+             reserved_s=TESTS_S, grows=True),
         # the extras: on whatever the parts above left unused
         Part("gpus_allreduce", "--devices cuda:0,cuda:0 --sync allreduce, one short epoch", 55,
              lambda p: driver(p, "gpus_allreduce", *TRAIN, *TWO_WORKERS, "--sync", "allreduce"),
              collect=run_figures, summary=reports.run),
-        # the trainer's compile, by regions; no 1-worker mode: two workers share the one GPU,
-        # so one worker's step is no baseline
+        # compiled by regions, as the trainer compiles; no 1-worker mode: two workers share the
+        # one GPU, so one worker's step is no baseline
         Part("sync", "the gradient sync's overlap with backward, compiled by regions: ps, "
              "allreduce", 45,
              lambda p: bench("sync", *RESNET, "--image-size", "224", "--devices",
                              "cuda:0,cuda:0", "--compile", "regions", "--modes", "ps,allreduce",
                              "--steps", "10", "--warmup", "3", "--json", str(p.report("sync"))),
              summary=reports.sync),
-        dali_part(options),
+        Part("dali_memory", "what each DALI pipeline (train, then val) reserves at build and at "
+             "its first batch, beside the formula", 45,
+             lambda p: module("app.bench.dali_reserve", "--json", str(p.report("dali_memory")),
+                              "--threads", str(o.dali_threads), "--batch-size",
+                              str(o.dali_batch), "--sample", o.dali_sample),
+             summary=reports.dali),
         Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
              "beside the pytorch/examples numerics", 120,
              lambda p: bench("model", *RESNET, "--steps", "20", "--warmup", "5", "--json",
-                             str(p.report("model"))),
-             summary=reports.model),
+                             str(p.report("model"))), summary=reports.model),
         Part("start", "what starting a run costs here: 1 and 2 workers on one GPU (ps), 6 "
              "loader processes each, and a restart after a killed worker", 120,
              lambda p: bench("start", "--device", "cuda:0", "--workers", "1,2", "-j", "6",
                              "--sync", "ps", "--restart", "--repeats", "1", "--json",
-                             str(p.report("start"))),
-             summary=reports.start),
+                             str(p.report("start"))), summary=reports.start),
     ]
 
 
@@ -209,6 +207,3 @@ def run(parts: list[Part], budget_s: float, out: Path, work: Path,
     said, code = verdict(outcomes)
     return {"parts": outcomes, "summary": str(out / "summary.md"), "verdict": said,
             "exit_code": code}
-
-
-__all__ = ["BUDGET_S", "WORK", "Options", "chosen", "format_plan", "parts", "run"]

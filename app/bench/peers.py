@@ -1,14 +1,13 @@
 """`bin/bench.py peers`: one training by several trainers on the same photos and machine: ours
-(bin/driver.py with a recipe config), pytorch/examples' imagenet/main.py recipe
-(app/bench/peer_examples.py), timm's train.py from a pytorch-image-models checkout (not part of
-the timm package), with its own defaults or, with `--peer-recipe ours`, our config's recipe in
-its flags (timm_recipe_flags), and fastai running the Imagenette 128 px / 5-epoch row's
-holder's recipe (app/bench/peer_fastai.py; `make peer-fastai` installs fastai). Same epochs,
-batch size, image size and loader processes; the rest is each trainer's own, as its users run
-it. The runs are interleaved by seed so that a change in the machine's load meets them all.
-Each run records its command, per-epoch top-1, wall and CPU time and, where the trainer says,
-the images/s of its training steps. With `--target`, also the time to the end of the first
-epoch that reaches it (timm's summary.csv stamps no epoch: only its last one's is known)."""
+(bin/driver.py with a recipe config), pytorch/examples' main.py recipe (peer_examples.py),
+timm's train.py of a pytorch-image-models checkout (its own defaults or, with `--peer-recipe
+ours`, our config's recipe in its flags) and fastai running the Imagenette 128 px / 5-epoch
+row's holder's recipe (peer_fastai.py). Same epochs, batch size, image size and loader
+processes; the rest is each trainer's own, as its users run it. The runs are interleaved by
+seed so that a change in the machine's load meets them all. Each run records its command,
+per-epoch top-1, wall and CPU time and, where the trainer says, the images/s of its training
+steps; with `--target`, the time to the end of the first epoch that reaches it (timm's
+summary.csv stamps no epoch: only its last one's is known)."""
 
 from __future__ import annotations
 
@@ -32,6 +31,11 @@ TRAINERS = ("ours", "examples", "timm", "fastai")
 RUN_TIMEOUT_S = 4 * 3600.0
 # where `make peer-fastai` installs fastai and what it needs beyond the training dependencies
 FASTAI_SITE = REPO / ".peers" / "fastai"
+EXIT_S = 5.0  # under a deadline: the report written and the process gone before it
+# Under a deadline, a trainer's first run is expected to last this much longer than the
+# longest so far (pytorch/examples' recipe trains in fp32 and autotunes cuDNN), a later one
+# its own longest so far, with room for noise.
+FIRST_RUN_FACTOR, RUN_FACTOR = 2.0, 1.2
 
 
 @dataclass(frozen=True)
@@ -208,8 +212,7 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
         out = Path(folder)
         command = COMMANDS[trainer](setup, seed, out, root)
         env = fastai_env() if trainer == "fastai" else None
-        cpu_before = children_cpu_s()
-        started = time.time()
+        cpu_before, started = children_cpu_s(), time.time()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
                               timeout=RUN_TIMEOUT_S)
         ended = time.time()
@@ -218,13 +221,12 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
                                f"{done.stderr[-3000:]}")
         epochs = EPOCHS[trainer](out, done.stdout)
         steps = [step for _, _, step in epochs]
+        images, seconds = (sum(column) for column in zip(*steps)) if None not in steps \
+            else (None, None)
         return {"trainer": trainer, "seed": seed, "top1": epochs[-1][0],
                 "wall_s": ended - started, "cpu_s": children_cpu_s() - cpu_before,
-                "epoch_top1": [top1 for top1, _, _ in epochs],
-                "train_images": sum(images for images, _ in steps)
-                if None not in steps else None,
-                "train_images_per_s": sum(images for images, _ in steps) /
-                sum(seconds for _, seconds in steps) if None not in steps else None,
+                "epoch_top1": [top1 for top1, _, _ in epochs], "train_images": images,
+                "train_images_per_s": images / seconds if images is not None else None,
                 "time_to_target_s": time_to_target(epochs, started, ended, target)
                 if target else None,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
@@ -240,37 +242,48 @@ def children_cpu_s() -> float:
 def machine() -> dict:
     """What the runs ran on: enough to tell two machines' figures apart."""
     import torch  # noqa: PLC0415
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "system": platform.platform()}
+    info = Path("/proc/cpuinfo")
+    model = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                  if line.startswith("model name")), None) if info.exists() else None
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "system": platform.platform()}
+
+
+def expected_s(trainer: str, runs: list[dict]) -> float:
+    """How long a run of `trainer` is expected to take, from the runs so far (0: no idea)."""
+    own = [run["wall_s"] for run in runs if run["trainer"] == trainer]
+    if own:
+        return max(own) * RUN_FACTOR
+    return max((run["wall_s"] for run in runs), default=0.0) * FIRST_RUN_FACTOR
 
 
 def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
-        save: Callable[[dict], None]) -> dict:
+        save: Callable[[dict], None], deadline_s: float = 0.0) -> dict:
+    """Every run, the report saved after each. Under a deadline (seconds from now; a part of
+    gpu-check is told its own) the first trainer's seeds come first, and a run starts only if
+    it is expected to end in time: a part killed mid-run would be a failed part."""
+    started = time.monotonic()
     root = imagefolder_root(setup)
-    report = new_report(setup, root, target)
-    for seed in seeds:
-        for trainer in trainers:
-            record(report, run_one(trainer, setup, seed, root, target), trainers, save)
+    report = {"setup": asdict(setup), "root": str(root), "target": target, "machine": machine(),
+              "runs": [], "summary": {}, **({"deadline_s": deadline_s, "not_run": []}
+                                            if deadline_s else {})}
+    order = [(trainer, seed) for trainer in trainers for seed in seeds] if deadline_s else \
+        [(trainer, seed) for seed in seeds for trainer in trainers]
+    for trainer, seed in order:
+        left, expected = deadline_s - EXIT_S - (time.monotonic() - started), \
+            expected_s(trainer, report["runs"])
+        if deadline_s and expected > left:
+            report["not_run"].append({"trainer": trainer, "seed": seed, "expected_s": expected,
+                                      "left_s": max(0.0, left)})
+        else:
+            result = run_one(trainer, setup, seed, root, target)
+            print(f"{trainer:9s} seed {seed}: top-1 {result['top1']:.4f}  "
+                  f"{result['wall_s']:.0f} s", flush=True)
+            report["runs"].append(result)
+            report["summary"] = summarise(report["runs"], trainers)
+        save(report)
     return report
-
-
-def new_report(setup: Setup, root: Path, target: float) -> dict:
-    return {"setup": asdict(setup), "root": str(root), "target": target, "machine": machine(),
-            "runs": [], "summary": {}}
-
-
-def record(report: dict, result: dict, trainers: list[str],
-           save: Callable[[dict], None]) -> None:
-    """A finished run: its line printed, the report with its summary saved."""
-    print(f"{result['trainer']:9s} seed {result['seed']}: top-1 {result['top1']:.4f}  "
-          f"{result['wall_s']:.0f} s", flush=True)
-    report["runs"].append(result)
-    report["summary"] = summarise(report["runs"], trainers)
-    save(report)
 
 
 def summarise(runs: list[dict], trainers: list[str]) -> dict:
