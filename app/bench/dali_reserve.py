@@ -1,9 +1,7 @@
 """What each DALI pipeline reserves when it is built (gpu-check's dali_memory part): the
 formula's expectation (app/data/dali_memory.py) beside what the machine shows, as JSON. In a
-process of its own, like every part, so that no other part's allocations count. Built as a
-training worker builds them: train, then val, both kept, on a generated sample.
-
-    python -m app.bench.dali_reserve --json dali_memory.json --threads 8 --batch-size 256
+process of its own, like every part, so that no other part's allocations count; built as a
+training worker builds them (train, then val, both kept) on a generated sample.
 
 - GPU: the drop in the device's free memory (so DALI's own pool counts) around each build, less
   what torch's allocator reserved meanwhile; the same around its first batch, when DALI
@@ -16,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,22 +35,16 @@ SPLITS = ("train", "val")
 
 def expected(threads: int, batch_size: int) -> dict:
     """Per split: the decoder's threads and paddings and what they reserve, in bytes."""
-    out = {}
-    for split in SPLITS:
-        memory = decoder_memory(split, batch_size, threads)
-        out[split] = {"threads": memory.threads, "device_padding": memory.device_padding,
-                      "host_padding": memory.host_padding, "gpu_bytes": memory.device_bytes,
-                      "pinned_bytes": memory.pinned_bytes}
-    return out
+    memories = {split: decoder_memory(split, batch_size, threads) for split in SPLITS}
+    return {split: {**dataclasses.asdict(memory), "gpu_bytes": memory.device_bytes,
+                    "pinned_bytes": memory.pinned_bytes} for split, memory in memories.items()}
 
 
 def host_memory() -> dict:
     """This process's resident and pinned memory in bytes ({} without /proc)."""
-    fields = {"VmRSS:": "host_rss", "VmPin:": "host_pinned_vm"}
-    out = {}
+    fields, out = {"VmRSS:": "host_rss", "VmPin:": "host_pinned_vm"}, {}
     with contextlib.suppress(OSError), open("/proc/self/status") as handle:
-        for line in handle:
-            name, *value = line.split()
+        for name, *value in map(str.split, handle):
             if name in fields and value:
                 out[fields[name]] = int(value[0]) * 1024  # kB
     return out
@@ -81,9 +74,7 @@ def measure_pipeline(pipeline, device: torch.device) -> dict:
     before = snapshot(device)
     pipeline.open(0)
     built = snapshot(device)
-    first = next(iter(pipeline.epoch(0)))
-    images = len(first)
-    del first
+    images = len(next(iter(pipeline.epoch(0))))
     return {"build": difference(before, built), "first_batch": difference(built,
                                                                           snapshot(device)),
             "first_batch_images": images, "preallocation_hint": pipeline.largest}
@@ -91,7 +82,13 @@ def measure_pipeline(pipeline, device: torch.device) -> dict:
 
 def measure(threads: int, batch_size: int, device: torch.device, preset: str = "tiny") -> dict:
     """Both pipelines built one after the other, as a worker does, on the `preset` sample."""
-    specs = sample_specs(threads, batch_size, device, preset)
+    root = DatasetRoot(preset, str(sample.ensure(sample.default_cache_dir(), preset, 0)))
+    tables = load_tables(root)
+    form = InputFormat(device, torch.float32, channels_last=device.type == "cuda")
+    specs = {"train": PipelineSpec(root, tables.train, TrainRecipe(224), ShardedBatches(
+                 len(tables.train), batch_size, seed=0), threads, form),
+             "val": PipelineSpec(root, tables.val, EvalRecipe(224), ShardedBatches(
+                 len(tables.val), batch_size, shuffle=False), threads, form)}
     pipelines, out = [], {}
     try:
         for split in SPLITS:
@@ -100,24 +97,9 @@ def measure(threads: int, batch_size: int, device: torch.device, preset: str = "
     finally:
         for pipeline in pipelines:
             pipeline.close()
-        release_dali_pools()
+        from nvidia.dali import backend  # noqa: PLC0415
+        backend.ReleaseUnusedMemory()  # DALI's pools keep what they took: given back
     return out
-
-
-def sample_specs(threads: int, batch_size: int, device: torch.device, preset: str) -> dict:
-    root = DatasetRoot(preset, str(sample.ensure(sample.default_cache_dir(), preset, 0)))
-    tables = load_tables(root)
-    form = InputFormat(device, torch.float32, channels_last=device.type == "cuda")
-    train = ShardedBatches(len(tables.train), batch_size, seed=0)
-    val = ShardedBatches(len(tables.val), batch_size, shuffle=False)
-    return {"train": PipelineSpec(root, tables.train, TrainRecipe(224), train, threads, form),
-            "val": PipelineSpec(root, tables.val, EvalRecipe(224), val, threads, form)}
-
-
-def release_dali_pools() -> None:
-    """DALI's pools keep what they took; give it back once measured."""
-    from nvidia.dali import backend  # noqa: PLC0415
-    backend.ReleaseUnusedMemory()
 
 
 def run(threads: int, batch_size: int, on_gpu: bool, preset: str = "tiny") -> dict:
@@ -139,14 +121,11 @@ def run(threads: int, batch_size: int, on_gpu: bool, preset: str = "tiny") -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where the report goes")
     parser.add_argument("--threads", type=int, default=8, help="decoding threads (-j)")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--sample", default="tiny", choices=("tiny", "bench"),
-                        help="the generated sample the pipelines read (bench: ImageNet-sized "
-                        "images; the first batch's memory depends on it, the build's does not)")
+    parser.add_argument("--sample", default="tiny", choices=("tiny", "bench"))
     args = parser.parse_args()
     report = run(args.threads, args.batch_size, torch.cuda.is_available(), args.sample)
     Path(args.json).write_text(json.dumps(report, indent=2))

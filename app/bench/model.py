@@ -84,13 +84,11 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
                         **OPTIMIZER_STEPS[optimizer_step])
     images, labels = synthetic_batch(precision, batch_size, image_size)
     ema = ModelEma(model, decay=0.999, every=ema_every) if ema_every else None
-    counter = itertools.count()
-    on_cuda = precision.device.type == "cuda"
+    counter, on_cuda = itertools.count(), precision.device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(precision.device)
 
-    def step() -> None:
-        # In place on the same tensor every step: the values drift, the work does not.
+    def step() -> None:  # on the same tensors every step: the values drift, the work does not
         index = next(counter)
         inputs, targets = augment(images, labels, index) if augment else (images, labels)
         with precision.autocast():
@@ -103,19 +101,7 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
         if ema:
             ema.after_step(index, index + 1)
 
-    wait = (lambda: torch.cuda.synchronize(precision.device)) if on_cuda else (lambda: None)
-    started = time.perf_counter()
-    step()
-    wait()
-    first_step_s = time.perf_counter() - started
-    for _ in range(warmup):
-        step()
-    wait()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    wait()
-    seconds = time.perf_counter() - started
+    first_step_s, seconds = timed(step, steps, warmup, precision.device)
     label = setting.label + (" + batch augment" if augment else "") + (
         f" + {optim.optimizer}" + (f", clip {optim.clip_grad_norm:g}" if optim.clip_grad_norm
                                    else "") if optim else "") + (
@@ -129,20 +115,33 @@ def measure(arch: str, setting: ModelSetting, batch_size: int, image_size: int, 
             if on_cuda else None}
 
 
+def timed(step: Callable[[], object], steps: int, warmup: int, device: torch.device
+          ) -> tuple[float, float]:
+    """(seconds of the first step, compilation included; seconds of `steps` steps after
+    `warmup` more), the device's queue waited for."""
+    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    started = time.perf_counter()
+    step()
+    wait()
+    first = time.perf_counter() - started
+    for _ in range(warmup):
+        step()
+    wait()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wait()
+    return first, time.perf_counter() - started
+
+
 def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, device: str,
                      steps: int) -> float:
     """Milliseconds per batch of the augmentations by themselves (host draws included)."""
-    device = torch.device(device)
+    device, counter = torch.device(device), itertools.count()
     images = torch.randn(batch_size, 3, image_size, image_size, device=device)
     labels = torch.randint(0, augment.num_classes, (batch_size,), device=device)
-    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    augment(images, labels, 0)
-    wait()
-    started = time.perf_counter()
-    for step in range(1, steps + 1):
-        augment(images, labels, step)
-    wait()
-    return 1000 * (time.perf_counter() - started) / steps
+    return 1000 * timed(lambda: augment(images, labels, next(counter)), steps, 0, device)[1] / \
+        steps
 
 
 def by_size(arch: str, setting: ModelSetting, batch_sizes: list[int], sizes: list[int],

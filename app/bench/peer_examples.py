@@ -1,7 +1,6 @@
-"""pytorch/examples imagenet/main.py's recipe, every bench's baseline: its input pipeline
-(peer_batches: Pillow, RandomResizedCrop, flip, ToTensor, Normalize in DataLoader processes)
-for `e2e` and `loader`, and main.py as it trains on N devices (`--multiprocessing-distributed`),
-a process of its own for `start` and `peers`: a process per device from
+"""pytorch/examples imagenet/main.py's recipe, every bench's baseline: its input pipeline for
+`e2e` and `loader` (peer_batches), and main.py as it trains on N devices
+(`--multiprocessing-distributed`), a process for `start` and `peers`: a process per device from
 torch.multiprocessing.spawn, torchvision's model in DDP, SGD with a step schedule, validation,
 rank 0's checkpoint; the devices here are CPU processes under gloo. As main.py, `-j` is the
 whole machine's loader processes, and the module imports what main.py imports at its top, so
@@ -44,24 +43,24 @@ def train_transform(size: int) -> transforms.Compose:
 
 
 class PeerDataset(torch.utils.data.Dataset):
-    """main.py's ImageFolder over a catalog's table (a local folder or a bucket)."""
+    """main.py's ImageFolder (Pillow, RGB) over a catalog's table: a folder or a bucket."""
 
     def __init__(self, root: DatasetRoot, frame: pd.DataFrame, size: int):
-        self.root, self.paths, self.labels = root, list(frame.path), list(frame.label)
-        self.transform = train_transform(size)
+        self.root, self.rows, self.transform = root, list(zip(frame.path, frame.label)), \
+            train_transform(size)
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.rows)
 
     def __getitem__(self, index: int):
-        with self.root.fs.open(self.root.path(self.paths[index]), "rb") as handle:
-            image = Image.open(handle).convert("RGB")
-        return self.transform(image), self.labels[index]
+        path, label = self.rows[index]
+        with self.root.fs.open(self.root.path(path), "rb") as handle:
+            return self.transform(Image.open(handle).convert("RGB")), label
 
 
 def peer_batches(root: DatasetRoot, frame: pd.DataFrame, size: int, batch_size: int,
                  workers: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches on the device, epoch after epoch, as main.py's loop receives them."""
+    """float32 NCHW batches moved to the device, epoch after epoch, as main.py's loop does."""
     loader = torch.utils.data.DataLoader(
         PeerDataset(root, frame, size), batch_size=batch_size, shuffle=True,
         num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
@@ -74,12 +73,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="pytorch/examples' ImageNet recipe, on CPUs")
     parser.add_argument("data", help="an ImageFolder root: train/<class>/, val/<class>/")
     parser.add_argument("-a", "--arch", default="resnet18")
-    parser.add_argument("-j", "--workers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("-b", "--batch-size", type=int, default=256, help="the whole machine's")
+    for flags, value in ((("-j", "--workers"), 4), (("--epochs",), 1), (("--image-size",), 224),
+                         (("-b", "--batch-size"), 256), (("--world",), 1)):  # world: main.py's GPUs
+        parser.add_argument(*flags, type=int, default=value)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--world", type=int, default=1, help="processes (main.py: GPUs)")
     parser.add_argument("--dist-url", default="tcp://127.0.0.1:23456")
     parser.add_argument("--out", default=".", help="where rank 0 saves its checkpoint")
     parser.add_argument("--seed", type=int, default=None, help="main.py's --seed: seeds torch")
@@ -121,26 +118,24 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
     val_set = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
         transforms.Resize(size * 256 // 224), transforms.CenterCrop(size),
         transforms.ToTensor(), transforms.Normalize(MEAN, STD)]))
-    train_sampler = torch.utils.data.distributed.DistributedSampler(train_set) \
-        if distributed else None
-    val_sampler = torch.utils.data.distributed.DistributedSampler(val_set, shuffle=False) \
-        if distributed else None
+    sampler = torch.utils.data.distributed.DistributedSampler
+    train_sampler = sampler(train_set) if distributed else None
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=batch, shuffle=train_sampler is None, num_workers=workers,
         sampler=train_sampler, pin_memory=device.type == "cuda")
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, num_workers=workers,
-                                             sampler=val_sampler, pin_memory=device.type == "cuda")
+    val_loader = torch.utils.data.DataLoader(
+        val_set, batch_size=batch, num_workers=workers, pin_memory=device.type == "cuda",
+        sampler=sampler(val_set, shuffle=False) if distributed else None)
     for epoch in range(args.epochs):
         if train_sampler:
             train_sampler.set_epoch(epoch)
         train(train_loader, model, criterion, optimizer, device, first_epoch=epoch == 0,
               report=rank == 0)
         top1 = validate(val_loader, model, criterion, device, distributed)
+        scheduler.step()
         if rank == 0:
             print(json.dumps({"epoch": epoch + 1, "top1": top1, "time": time.time()}),
                   flush=True)
-        scheduler.step()
-        if rank == 0:
             torch.save({"epoch": epoch + 1, "state_dict": model.state_dict(),
                         "optimizer": optimizer.state_dict()},
                        os.path.join(args.out, "checkpoint.pth.tar"))
@@ -151,9 +146,8 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
 def train(loader, model, criterion, optimizer, device, first_epoch: bool, report: bool) -> None:
     model.train()
     for step, (images, target) in enumerate(loader):
-        images = images.to(device, non_blocking=True)
-        target = target.to(device, non_blocking=True)
-        loss = criterion(model(images), target)
+        loss = criterion(model(images.to(device, non_blocking=True)),
+                         target.to(device, non_blocking=True))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -167,9 +161,8 @@ def validate(loader, model, criterion, device, distributed: bool) -> float:
     counts = torch.zeros(2)  # right, seen
     with torch.no_grad():
         for images, target in loader:
-            images = images.to(device, non_blocking=True)
             target = target.to(device, non_blocking=True)
-            output = model(images)
+            output = model(images.to(device, non_blocking=True))
             criterion(output, target)
             counts += torch.tensor([(output.argmax(1) == target).sum().item(), len(target)])
     if distributed:

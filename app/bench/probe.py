@@ -1,8 +1,6 @@
-"""gpu-check's first part: what the machine is (versions, GPUs, their memory now), as JSON. In a
-process of its own, like every part, so the runner never holds a CUDA context.
-
-    python -m app.bench.probe --json probe.json
-"""
+"""gpu-check's first part: what the machine is (versions, GPUs, their memory now), as JSON
+(`python -m app.bench.probe --json probe.json`). In a process of its own, like every part, so
+the runner never holds a CUDA context."""
 
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ from pathlib import Path
 
 from app.runtime.errors import UserError
 
-# what gpu-check needs in its interpreter, whatever the versions (no `make setup`); parts and
-# tests that need the optional packages skip themselves or say so where they are missing
+# what gpu-check needs in its interpreter, whatever the versions; parts and tests that need
+# the optional packages skip themselves or say so where they are missing
 REQUIRED = ("torch", "torchvision", "timm", "pandas", "fsspec", "PIL", "numpy", "tomli_w",
             "pytest")
 OPTIONAL = ("nvidia.dali", "obstore", "s3fs", "tensorboard", "wandb")
@@ -29,8 +27,7 @@ def check_requirements() -> None:
     missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"gpu-check needs {', '.join(missing)} in this interpreter "
-                        f"({sys.executable}); install them with pip (on a machine without "
-                        "network access, from wheels copied onto it)")
+                        f"({sys.executable}); install them with pip")
 
 
 def version_of(module: str) -> str | None:
@@ -40,34 +37,25 @@ def version_of(module: str) -> str | None:
         return None
 
 
-def environment() -> dict:
-    import torch  # noqa: PLC0415
-    gpus = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            free, total = torch.cuda.mem_get_info(index)
-            gpus.append({"index": index, "name": props.name,
-                         "capability": f"{props.major}.{props.minor}",
-                         "total_gb": round(total / 2**30, 1), "free_gb": round(free / 2**30, 1)})
-    return {
-        "python": platform.python_version(), "executable": sys.executable,
-        "platform": platform.platform(), "cpu_count": cpu_count(),
-        "versions": {name: version_of(name) for name in (*REQUIRED, *OPTIONAL)},
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
-        if torch.backends.cudnn.is_available() else None,
-        "gpus": gpus,
-    }
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def probe() -> dict:
-    from app.data.decoders import dali_imports  # noqa: PLC0415 (imports torch)
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **environment(),
-            "dali_imports": dali_imports()}
+    import torch  # noqa: PLC0415
+
+    from app.data.decoders import dali_imports  # noqa: PLC0415
+    gpus = []
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props, (free, total) = torch.cuda.get_device_properties(index), \
+            torch.cuda.mem_get_info(index)
+        gpus.append({"index": index, "name": props.name,
+                     "capability": f"{props.major}.{props.minor}",
+                     "total_gb": round(total / 2**30, 1), "free_gb": round(free / 2**30, 1)})
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+            "executable": sys.executable, "platform": platform.platform(),
+            "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "versions": {name: version_of(name) for name in (*REQUIRED, *OPTIONAL)},
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
+            if torch.backends.cudnn.is_available() else None,
+            "gpus": gpus, "dali_imports": dali_imports()}
 
 
 def main() -> None:

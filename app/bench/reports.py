@@ -1,6 +1,6 @@
-"""How every bench report reads: markdown lines, printed by bin/bench.py and gathered by
-gpu-check into summary.md (one reading of a report, wherever it is shown). Imports nothing
-heavy: gpu-check's runner formats its parts' figures without torch."""
+"""How every bench report reads: markdown, printed by bin/bench.py and gathered by gpu-check
+into summary.md (one reading of a report wherever it is shown). Imports nothing heavy:
+gpu-check's runner formats its parts' figures without torch."""
 
 from __future__ import annotations
 
@@ -14,12 +14,21 @@ def table(header: str, rows: Iterable[Iterable]) -> list[str]:
             *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
+def cell(value) -> str:
+    """A figure as a table shows it: "-" for none, a ratio to 3 places, the rest to 1."""
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return "-" if value is None else str(value)
+
+
+def columns(rows: Iterable[dict], named: dict[str, str]) -> list[str]:
+    """The rows' `named` fields (key: header) as a table."""
+    return table("|".join(named.values()), ([cell(row.get(key)) for key in named]
+                                            for row in rows))
+
+
 def number(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
-
-
-def percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0%}"
 
 
 def mib(count: int | None) -> str:
@@ -27,79 +36,65 @@ def mib(count: int | None) -> str:
 
 
 def e2e(f: dict) -> list[str]:
-    """The rows that finished (the ratios once the model alone was measured)."""
-    s = f["setup"]
-    rows = [(r["label"], f"skipped: {r['skipped']}", "", "", "", "") if "skipped" in r else
-            (r["label"], number(r["images_per_s"], 1), number(r.get("ratio_to_peer"), 2),
-             percent(r.get("share_of_model_only")), number(r["cpu_cores"], 1),
-             number(r["peak_memory_gb"], 1)) for r in f["results"]]
-    alone = f["model_only"]["images_per_s"] if f["model_only"] else None
+    s, alone = f["setup"], (f["model_only"] or {}).get("images_per_s")
     return [f"end to end: {s['arch']}, batch {s['batch_size']}, {s['image_size']} px, "
             f"{s['dataset']}, {s['workers']} loader processes, {s['device']}", "",
-            *table("run|images/s|vs peer|of model only|CPU cores|peak GB", rows), "",
-            f"model only, our settings: {number(alone, 1)} img/s"]
+            *columns(f["results"], {"label": "run", "images_per_s": "images/s",
+                                    "ratio_to_peer": "vs peer",
+                                    "share_of_model_only": "of model only",
+                                    "cpu_cores": "CPU cores", "peak_memory_gb": "peak GB",
+                                    "skipped": "skipped"}),
+            "", f"model only, our settings: {number(alone, 1)} img/s"]
 
 
 def model(f: dict) -> list[str]:
-    first = f["results"][0]
+    first, extra, sizes = f["results"][0], f.get("batch_augment"), f.get("sizes")
+    steps = f.get("optimizers", []) + ([f["ema"]] if "ema" in f else [])
     lines = [f"model only: {first['arch']}, batch {first['batch_size']}, {first['image_size']} "
-             f"px, {first['device']}", "", *table(
-                 "setting|images/s|vs peer|first step|peak GB",
-                 ((r["label"], number(r["images_per_s"], 1), number(r["ratio_to_peer"], 2),
-                   f"{r['first_step_s']:.1f} s", number(r["peak_memory_gb"], 1))
-                  for r in f["results"]))]
-    extra = f.get("batch_augment")
+             f"px, {first['device']}", "", *columns(f["results"], {
+                 "label": "setting", "images_per_s": "images/s", "ratio_to_peer": "vs peer",
+                 "first_step_s": "first step s", "peak_memory_gb": "peak GB"})]
     if extra:
         lines += ["", f"batch augment (erase {extra['random_erase']:g}, mixup "
                   f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
                   f"{extra['ms_per_step']:.2f} ms per batch, "
                   f"{extra['share_of_plain_step']:.1%} of the first setting's step"]
-    steps = f.get("optimizers", []) + ([f["ema"]] if "ema" in f else [])
     if steps:
-        lines += ["", *table("step|images/s|step ms|vs the first setting's", (
-            (r["label"], number(r["images_per_s"], 1), number(r["step_ms"], 1),
-             number(r["step_vs_plain"], 3)) for r in steps))]
-    sizes = f.get("sizes")
+        lines += ["", *columns(steps, {"label": "step", "images_per_s": "images/s", "step_ms":
+                                       "step ms", "step_vs_plain": "vs the first setting's"})]
     if sizes:
         kind = sizes["results"][0]["optimizer_step"]
         lines += ["", f"by batch, image size and optimizer step ({sizes['setting']}):", "",
-                  *table(f"batch|size|step|images/s|step ms|vs largest|pixels ratio|vs {kind}", (
-                      (r["batch_size"], r["image_size"], r["optimizer_step"],
-                       number(r["images_per_s"], 1), number(r["step_ms"], 1),
-                       number(r["speed_vs_largest"], 2), number(r["pixels_vs_largest"], 2),
-                       number(r["speed_vs_first_step"], 3)) for r in sizes["results"]))]
+                  *columns(sizes["results"], {
+                      "batch_size": "batch", "image_size": "size", "optimizer_step": "step",
+                      "images_per_s": "images/s", "step_ms": "step ms",
+                      "speed_vs_largest": "vs largest", "pixels_vs_largest": "pixels ratio",
+                      "speed_vs_first_step": f"vs {kind}"})]
     return lines
 
 
 def loader(f: dict) -> list[str]:
-    peer = f["peer"]
-    rows = [(peer["dataset"], "-", peer["decoder"], "off", number(peer["images_per_s"], 1),
-             "", "", "", number(peer["cpu_cores"], 1), number(peer["cpu_ms_per_image"], 2),
-             "", "", "", "")] if peer else []
-    rows += [(r["dataset"], r["reader"], r["decoder"], r["auto_augment"],
-              number(r["images_per_s"], 1), number(r.get("ratio_to_peer"), 2),
-              number(r["ratio_to_first"], 2), number(r["ratio_to_plain"], 2),
-              number(r["cpu_cores"], 1), number(r["cpu_ms_per_image"], 2),
-              number(r["gets_per_s"], 1), number(r["cpu_ms_per_get"], 2),
-              number(r["cpu_per_get_vs_baseline"], 2), number(r["first_batch_s"], 2))
-             for r in f["results"]]
     return [f"loader only (read + decode + augment, batches on {f['device']}), batch "
             f"{f['batch_size']}, {f['workers']} loader processes, {f['image_size']} px, "
             f"{f['batches']} batches; the reader alone: client CPU per GET, no cache", "",
-            *table("dataset|reader|decoder|augment|images/s|vs peer|vs first|vs plain|cores|"
-                   "CPU ms/img|GETs/s|CPU ms/GET|vs base|1st batch s", rows)]
+            *columns(([f["peer"]] if f["peer"] else []) + f["results"], {
+                "dataset": "dataset", "reader": "reader", "decoder": "decoder",
+                "auto_augment": "augment", "images_per_s": "images/s",
+                "ratio_to_peer": "vs peer", "ratio_to_first": "vs first",
+                "ratio_to_plain": "vs plain", "cpu_cores": "cores",
+                "cpu_ms_per_image": "CPU ms/img", "gets_per_s": "GETs/s",
+                "cpu_ms_per_get": "CPU ms/GET", "cpu_per_get_vs_baseline": "vs base",
+                "first_batch_s": "1st batch s"})]
 
 
 def sync(f: dict) -> list[str]:
-    lines = [f"{f['arch']} ({f['gradient_mb']:.0f} MB of gradients), batch "
-             f"{f['batch_per_worker']} per worker, {f['image_size']} px, devices "
-             f"{','.join(f['devices'])}, compile {f['compile']}, median of {f['steps']} steps",
-             "", *table("mode|step|images/s", ((r["label"], f"{r['step_time_s'] * 1000:.1f} ms",
-                                                number(r["images_per_s"], 1))
-                                               for r in f["results"]))]
-    if f["ps_over_allreduce"] is not None:
-        lines += ["", f"ps / allreduce step time: {f['ps_over_allreduce']:.3f}"]
-    return lines
+    ratio = f["ps_over_allreduce"]
+    return [f"{f['arch']} ({f['gradient_mb']:.0f} MB of gradients), batch "
+            f"{f['batch_per_worker']} per worker, {f['image_size']} px, devices "
+            f"{','.join(f['devices'])}, compile {f['compile']}, median of {f['steps']} steps",
+            "", *columns(f["results"], {"label": "mode", "step_time_s": "step s",
+                                        "images_per_s": "images/s"}),
+            *(["", f"ps / allreduce step time: {ratio:.3f}"] if ratio is not None else [])]
 
 
 def start_row(row: dict) -> tuple:
@@ -121,19 +116,17 @@ def start(f: dict) -> list[str]:
 def peers(f: dict) -> list[str]:
     """Each trainer over its seeds, then each run; the runs left out for want of time."""
     s, target = f["setup"], f["target"]
-    models = s["arch"] + (f" (peers: {s['peer_arch']})" if s.get("peer_arch") else "")
-    at = "|runs at target|time to it" if target else ""
-    lines = [f"{models}, {s['image_size']} px, {s['epochs']} epochs, batch {s['batch_size']}, "
-             f"-j {s['workers']}, {f['root']}; the peers' recipes: " + (
+    lines = [f"{s['arch']}" + (f" (peers: {s['peer_arch']})" if s.get("peer_arch") else "")
+             + f", {s['image_size']} px, {s['epochs']} epochs, batch {s['batch_size']}, -j "
+             f"{s['workers']}, {f['root']}; the peers' recipes: " + (
                  "timm's train.py ours, main.py its own" if s.get("peer_recipe") == "ours"
                  else "each its own default"), "",
-             *table(f"trainer|seeds|top-1 mean|min-max|wall s|wall vs first|train img/s{at}", (
-                 (name, r["seeds"], f"{r['top1_mean']:.4f}",
-                  f"{r['top1_min']:.4f}-{r['top1_max']:.4f}", number(r["wall_s_mean"]),
-                  f"{r['wall_vs_first']:.2f}x", number(r.get("train_images_per_s_mean"), 1),
-                  *((r["runs_at_target"], number(r["time_to_target_s_mean"]) if
-                     r["runs_at_target"] else "-") if target else ()))
-                 for name, r in f["summary"].items())), ""]
+             *columns(({"trainer": name, **row} for name, row in f["summary"].items()), {
+                 "trainer": "trainer", "seeds": "seeds", "top1_mean": "top-1 mean",
+                 "top1_min": "min", "top1_max": "max", "wall_s_mean": "wall s",
+                 "wall_vs_first": "wall vs first", "train_images_per_s_mean": "train img/s",
+                 **({"runs_at_target": "runs at target",
+                     "time_to_target_s_mean": "time to it s"} if target else {})}), ""]
     lines += table(f"trainer|seed|top-1 after epoch {s['epochs']}|wall|time to {target}", (
         (r["trainer"], r["seed"], f"{r['top1']:.4f}" + (
             "" if len(r["epoch_top1"]) == s["epochs"] else
@@ -146,13 +139,11 @@ def peers(f: dict) -> list[str]:
 
 
 def predict(f: dict) -> list[str]:
-    base = f["results"][0]["model_images_per_s"]
     return [f"predict: {f['arch']} at {f['image_size']} px, {f['images']} images, batch "
             f"{f['batch_size']}, CPU ({f['torch_threads']} torch threads), best of "
-            f"{f['repeats']}", "", *table("runtime|model img/s|end to end img/s|model vs first", (
-                (r["runtime"], number(r["model_images_per_s"], 1),
-                 number(r["e2e_images_per_s"], 1), f"{r['model_images_per_s'] / base:.2f}x")
-                for r in f["results"])), "",
+            f"{f['repeats']}", "", *columns(f["results"], {
+                "runtime": "runtime", "model_images_per_s": "model img/s",
+                "e2e_images_per_s": "end to end img/s"}), "",
             f"logits differ by at most {f['max_logit_difference']:.2e}; top-1 agrees on "
             f"{f['top1_agreement']:.1%} of the images"]
 
@@ -165,11 +156,12 @@ def gpu_check(f: dict) -> list[str]:
 
 # gpu-check's own parts: a driver run's figures, the machine, the gpu tests, DALI's memory
 def run(f: dict) -> list[str]:
+    wait = "n/a" if f["data_wait"] is None else f"{f['data_wait']:.0%}"
     return [f"- finished its epoch (evaluated, saved): {'yes' if f['finished'] else 'no'}, "
             f"{f['steps']} steps; replica checksums compared after every step (a drift ends "
             "the run with an error)",
             f"- images/s (median of the steps after the first): {number(f['images_per_s'])}; "
-            f"data wait {percent(f['data_wait'])}",
+            f"data wait {wait}",
             f"- first compiled step: {number(f['compile_first_step_s'], 1)} s; epoch "
             f"{number(f['epoch_time_s'], 1)} s; images skipped: {f['skipped']}"]
 
@@ -195,13 +187,11 @@ def dali(f: dict) -> list[str]:
     lines = [f"- at {f['threads']} threads, batch {f['batch_size']}, the {f['sample']} sample "
              f"({f['formula']}):"]
     for split, want in f["expected"].items():
-        line = (f"- {split}: expected GPU {mib(want['gpu_bytes'])}, pinned "
-                f"{mib(want['pinned_bytes'])} ({want['threads']} threads)")
         got = (f["measured"] or {}).get(split)
-        if got:
-            line += (f"; measured at build: GPU {mib(got['build'].get('gpu_bytes'))}, host RSS "
-                     f"{mib(got['build'].get('host_rss_bytes'))}; first batch: GPU "
-                     f"{mib(got['first_batch'].get('gpu_bytes'))}; preallocated for "
-                     f"{got.get('preallocation_hint')}")
-        lines.append(line)
+        lines.append(f"- {split}: expected GPU {mib(want['gpu_bytes'])}, pinned "
+                     f"{mib(want['pinned_bytes'])} ({want['threads']} threads)" + (
+                         f"; measured at build: GPU {mib(got['build'].get('gpu_bytes'))}, "
+                         f"host RSS {mib(got['build'].get('host_rss_bytes'))}; first batch: "
+                         f"GPU {mib(got['first_batch'].get('gpu_bytes'))}; preallocated for "
+                         f"{got.get('preallocation_hint')}" if got else ""))
     return lines + ([f"- not measured: {f['why_not']}"] if f["why_not"] else [])

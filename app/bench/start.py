@@ -1,9 +1,8 @@
-"""`bin/bench.py start`: what starting a run costs: the whole machine's CPU seconds (from
-/proc/stat, so every process counts however it was started) and the wall time from the command
-to the first optimizer step; the same after a killed worker (`--max-restarts`), and for
-pytorch/examples' main.py recipe (app/bench/peer_examples.py). Another checkout (`--baseline-repo`)
-is measured in the same run, each of its rows right after ours; the machine should be otherwise
-idle: /proc/stat counts everyone's work."""
+"""`bin/bench.py start`: what starting a run costs: the whole machine's CPU seconds (/proc/stat:
+every process counts however it was started, so the machine should be otherwise idle) and the
+wall time from the command to the first optimizer step; the same after a killed worker
+(`--max-restarts`), and for pytorch/examples' main.py recipe (peer_examples.py). Another
+checkout (`--baseline-repo`) is measured in the same run, each of its rows right after ours."""
 
 from __future__ import annotations
 
@@ -58,8 +57,9 @@ def machine_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / TICKS
 
 
-def driver_flags(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
-    return ["--catalog", str(repo / "datasets.toml"), "--dataset", setup.dataset,
+def driver_command(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
+    return [sys.executable, str(repo / "bin" / "driver.py"), "--catalog",
+            str(repo / "datasets.toml"), "--dataset", setup.dataset,
             "-a", setup.arch, "--image-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
             "-j", str(row.loaders), "--devices", ",".join([setup.device] * row.workers),
@@ -94,8 +94,7 @@ def timed_run(command: list[str], cwd: str | Path, row: Row) -> tuple[str, float
 
 def measure_ours(setup: Setup, row: Row, repo: Path) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        _, started, wall, cpu = timed_run([sys.executable, str(repo / "bin" / "driver.py"),
-                                           *driver_flags(setup, row, repo, Path(folder))],
+        _, started, wall, cpu = timed_run(driver_command(setup, row, repo, Path(folder)),
                                           folder, row)
         first = first_train_time(Path(folder) / "start" / "metrics.jsonl")
     return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
@@ -106,10 +105,10 @@ def measure_restart(setup: Setup, row: Row, repo: Path) -> dict:
     the group started again (--max-restarts 1): wall time and the machine's CPU seconds."""
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "start" / "metrics.jsonl"
-        command = [sys.executable, str(repo / "bin" / "driver.py"),
-                   *driver_flags(setup, row, repo, Path(folder)), "--max-restarts", "1"]
-        process = subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        process = subprocess.Popen([*driver_command(setup, row, repo, Path(folder)),
+                                    "--max-restarts", "1"], cwd=folder, text=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   start_new_session=True)
         try:
             started = wait_for(lambda: first_train_time(metrics), process)
             victim = started_pids(process.stderr)[f"worker 1 ({setup.device})"]
@@ -195,9 +194,7 @@ def run(setup: Setup, rows: list[Row], repeats: int, baseline: Path | None,
 def measure(setup: Setup, row: Row, repo: Path, imagefolder: Path | None) -> dict:
     if row.kind == "peer":
         return measure_peer(setup, row, imagefolder)
-    if row.kind == "restart":
-        return measure_restart(setup, row, repo)
-    return measure_ours(setup, row, repo)
+    return (measure_restart if row.kind == "restart" else measure_ours)(setup, row, repo)
 
 
 def medians(runs: list[dict]) -> dict:
