@@ -310,8 +310,8 @@ def test_the_imagenette_part_says_why_it_fails_then_trains_on_the_users_photos(t
     on the photos it names, each run's top-1 after its epoch read from the photos' own val set
     (6 photos: a multiple of 1/6)."""
     paths = Paths(tmp_path / "out", tmp_path / "work")
-    part = next(p for p in gpu_check.parts(gpu_check.Options(imagenette=REHEARSAL))
-                if p.name == "imagenette")
+    row = next(p for p in gpu_check.parts() if p.name == "imagenette")
+    part = dataclasses.replace(row, command=lambda paths: [*row.command(paths), *REHEARSAL])
     monkeypatch.setenv("IMAGENETTE_ROOT", str(tmp_path / "nowhere"))
     failed = run_parts([part], 60, paths, part_environment(paths))[0]
     assert failed["status"] == "failed (exit 2)" and failed["figures"] is None

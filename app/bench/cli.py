@@ -66,49 +66,45 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
         *shared(catalog="datasets.toml", dataset="sample_bench", arch="resnet50",
                 batch_size=256, image_size=224, workers=(8, "loader processes, both sides"),
                 device="cuda", steps=50, warmup=10),
-        flag("--decoders", "--decoder", default="auto", help="input pipelines measured one after "
-             "the other, e.g. nvjpeg,pillow,dali (dali skipped where it does not import)"),
+        flag("--decoders", "--decoder", default="auto", help="input pipelines, one after the "
+             "other: e.g. nvjpeg,pillow,dali (dali skipped where it does not import)"),
         flag("--compile", default="auto", choices=("auto", "on", "off")), JSON]),
     "model": ("model-only images/s: ours vs the peer's numerics", [
         *shared(arch="resnet50", batch_size=256, image_size=224, device="cuda", steps=50,
                 warmup=5),
         flag("--no-compile", action="store_true", help="skip the compiled setting"),
-        flag("--no-peer", action="store_true", help="skip the pytorch/examples setting (its "
-             "fp32 cuDNN autotuning takes tens of seconds on a GPU)"),
-        flag("--optimizers", default="", help="also measure our first setting's step with "
-             "these optimizers, built as training builds them, e.g. sgd,lars,lamb"),
-        flag("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: also clip "
-             "the gradients to this norm (another row each)"),
-        flag("--model-ema-steps", type=int, default=0, help="also measure our first setting's "
-             "step with the weights' EMA updated every N steps (32: torchvision's recipe)"),
-        flag("--sizes", default="", help="also measure our first setting at these image sizes "
-             "(e.g. 160,192,224: what progressive resizing buys), each against the largest"),
-        flag("--batch-sizes", default="", help="... and at these comma-separated batch sizes "
-             "(e.g. 256,512; default: -b)"),
-        flag("--optimizer-steps", default="", help="... and with these implementations of the "
-             "SGD step (default, foreach, fused), each against the first"),
-        *(flag(f"--{name}", type=float, default=0.0, help=f"{what}: also measure our "
-               "settings with the batch augmentations, and them alone")
-          for name, what in AUGMENTS), JSON]),
+        flag("--no-peer", action="store_true", help="skip the pytorch/examples setting"),
+        flag("--optimizers", default="", help="also our first setting's step with these "
+             "optimizers, built as training builds them: e.g. sgd,lars,lamb"),
+        flag("--clip-grad-norm", type=float, default=0.0, help="with --optimizers: a row "
+             "each with the gradients clipped to this norm"),
+        flag("--model-ema-steps", type=int, default=0, help="also our first setting's step "
+             "with the weights' EMA every N steps (torchvision's: 32)"),
+        flag("--sizes", default="", help="also our first setting at these image sizes, each "
+             "against the largest: e.g. 160,192,224 (what progressive resizing buys)"),
+        flag("--batch-sizes", default="", help="... at these batch sizes (default: -b)"),
+        flag("--optimizer-steps", default="", help="... with these SGD steps (default, "
+             "foreach, fused), each against the first"),
+        *(flag(f"--{name}", type=float, default=0.0, help=f"{what}: also our settings with "
+               "the batch augmentations, and them alone") for name, what in AUGMENTS), JSON]),
     "sync": ("step time: 1 worker vs N workers ps vs allreduce", [
         *shared(arch="resnet50", batch_size=(16, "per worker"), image_size=64, steps=10,
                 warmup=3),
         flag("--devices", default="cpu,cpu", help="worker devices, e.g. cuda:0,cuda:1"),
         flag("--bucket-mb", type=float, default=25.0),
-        flag("--modes", default="local,ps,allreduce", help="which to measure: local (1 "
-             "worker, no sync), ps, allreduce"),
+        flag("--modes", default="local,ps,allreduce", help="local: 1 worker, no sync"),
         flag("--compile", default="off", choices=("off", "whole", "regions"),
-             help="torch.compile the model whole or by regions (each block of the stages)"),
-        flag("--compile-backend", default="inductor", help="e.g. aot_eager: traces and "
-             "differentiates, generates no code"), JSON]),
+             help="the model compiled whole or by regions (each block of the stages)"),
+        flag("--compile-backend", default="inductor", help="e.g. aot_eager: no code made"),
+        JSON]),
     "loader": ("loader-only images/s of one or more datasets", [
         flag("--catalog", default="datasets.toml"),
         flag("--dataset", action="append", required=True, help="repeat to compare datasets; "
              "ratios are to the first"),
         *shared(batch_size=64, workers=4, image_size=224),
         flag("--batches", type=int, default=20),
-        flag("--readers", default="s3fs,obstore", help="readers to compare on object-store "
-             "datasets, the baseline first"),
+        flag("--readers", default="s3fs,obstore", help="on an object store, the baseline "
+             "first"),
         flag("--decoders", default="pillow", help="input pipelines to compare: pillow,dali"),
         flag("--device", default="cpu", help="where batches go (cuda: DALI decodes on it)"),
         flag("--auto-augment", default="", help="also these auto-augment policies, e.g. "
@@ -120,52 +116,48 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
              "with model.onnx (or give -a)"),
         flag("--images", action="append", required=True, help="an image or a folder of them; "
              "repeat for more"),
-        *shared(arch=("", "instead of EXPORT_DIR: export a freshly initialised model of this "
-                      "name"), image_size=(224, "with -a: the crop size"), batch_size=32),
+        *shared(arch=("", "instead of EXPORT_DIR: a fresh model of this name, exported"),
+                image_size=(224, "with -a: the crop size"), batch_size=32),
         flag("--repeats", type=int, default=3, help="passes; the best one counts"),
         flag("--limit", type=int, default=0, help="at most this many images"), JSON]),
     "start": ("what starting a run costs: the machine's CPU seconds and the time to the first "
               "step, N workers, a restart, and pytorch/examples' main.py beside them", [
-        *shared(dataset="sample_tiny", arch=("resnet18", "a torchvision model name too, with "
-                                             "--peer"),
+        *shared(dataset="sample_tiny", arch=("resnet18", "torchvision's too, with --peer"),
                 image_size=32, batch_size=(16, "per worker process"), epochs=1),
-        flag("--device", default="cpu", help="every worker's: cpu, or cuda:0 (the workers "
-             "share it; no --peer then)"),
+        flag("--device", default="cpu", help="every worker's: cpu, or cuda:0 (no --peer)"),
         flag("--workers", default="1,2,4", help="worker processes, comma-separated"),
         flag("--sync", default="ps,allreduce", help="modes for 2+ workers"),
         flag("-j", "--loaders", default="1,2", help="loader processes per worker"),
         flag("--restart", action="store_true", help="also: SIGKILL worker 1 of 2 after its "
              "first step, time to the first step of the restarted group"),
-        flag("--peer", action="store_true", help="also: pytorch/examples' main.py recipe "
-             "with as many processes and loader processes"),
+        flag("--peer", action="store_true", help="also: pytorch/examples' main.py recipe, as "
+             "many processes and loader processes"),
         flag("--repeats", type=int, default=2),
         flag("--baseline-repo", help="another checkout of this project, measured in the same "
-             "run (each of its rows right after ours)"), JSON]),
+             "run, each of its rows right after ours"), JSON]),
     "peers": ("the same training by ours, pytorch/examples' main.py recipe, timm's train.py "
               "and fastai (the Imagenette row's holder's recipe) on the same photos: top-1, "
               "wall time and train images/s per seed, mean and spread", [
-        *shared(catalog="datasets.toml", dataset=("imagenette_local", "an imagefolder entry "
-                                                  "on local disk (the peers read its folders)")),
+        *shared(catalog="datasets.toml", dataset=("imagenette_local", "an imagefolder on "
+                                                  "local disk (the peers read its folders)")),
         flag("--config", default="configs/imagenette_cpu.toml", help="our recipe"),
-        *shared(arch=("resnet18", "a name torchvision and timm both know, or ours alone with "
-                      "--peer-arch")),
-        flag("--peer-arch", default="", help="the peers' model when ours is one torchvision "
-             "lacks (e.g. -a resnet50d --peer-arch resnet50)"),
+        *shared(arch=("resnet18", "torchvision's and timm's, or ours with --peer-arch")),
+        flag("--peer-arch", default="", help="the peers' model where torchvision lacks ours "
+             "(e.g. -a resnet50d --peer-arch resnet50)"),
         *shared(image_size=64, batch_size=64, epochs=5, workers=(2, "loader processes, each")),
         flag("--seeds", default="0,1"),
-        flag("--trainers", default=",".join(TRAINERS), help="the first is the baseline of the "
-             "wall-time ratios"),
+        flag("--trainers", default=",".join(TRAINERS), help="the first: the wall's baseline"),
         flag("--timm-train", default="", help="the timm trainer's train.py, of a checkout of "
              "https://github.com/huggingface/pytorch-image-models"),
         flag("--device", default="cpu", help="cpu, or cuda:0: each trainer on one GPU (timm's "
              "train.py with --amp --channels-last, as its README runs)"),
-        flag("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577, the "
-             "leaderboard's 128 px 5 epochs): also the time each run takes to reach it"),
+        flag("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577): also the time "
+             "each run takes to reach it"),
         flag("--peer-recipe", choices=("own", "ours"), default="own", help="own: each peer "
-             "its default recipe (what its users get); ours: timm's train.py runs our config's "
-             "recipe (schedule, LR, smoothing, decay, augmentation): only the trainer differs"),
-        flag("--ours-args", default="", help="more of the driver's flags for ours, in one "
-             "string (a variant of the config's recipe, e.g. \"--mean 0,0,0 --std 1,1,1\")"),
+             "its default recipe; ours: timm's train.py runs our config's, so that only the "
+             "trainer differs"),
+        flag("--ours-args", default="", help="more driver flags for ours, in one string: e.g. "
+             "\"--mean 0,0,0 --std 1,1,1\""),
         flag("--deadline", type=float, default=float(os.environ.get(DEADLINE_ENV, 0)),
              help="seconds: the first trainer's seeds first, and only runs expected to end "
              "within them (default: a gpu-check part's own; 0: none)"), JSON]),
@@ -176,8 +168,7 @@ COMMANDS: dict[str, tuple[str, list[Flag]]] = {
              f"(default {BUDGET_S:.0f}: each its whole deadline, the gpu tests about 15 min; "
              "from 600 the parts up to the gpu tests keep theirs, the rest goes to the tests)"),
         flag("--out", default="gpu-check", help="the reports: <part>.json, <part>.log, summary.md"),
-        flag("--work", default=str(WORK), help="compile caches, the generated sample, run "
-             "folders (kept out of --out)"),
+        flag("--work", default=str(WORK), help="compile caches, samples, run folders"),
         flag("--archive", help="also pack the report folder into this .tar.gz after each part"),
         flag("--parts", default="", help="only these, comma-separated (--list names them)"),
         flag("--list", action="store_true", help="the parts and their deadlines, run nothing"),

@@ -15,7 +15,7 @@ import torch
 from app.bench import model as model_bench
 from app.bench.loader import batches_forever
 from app.bench.peer_examples import peer_batches
-from app.bench.usage import cpu_seconds
+from app.bench.usage import throughput
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
 from app.data.decoders import dali_imports
@@ -45,22 +45,14 @@ class Setup:
 
 def timed(step: Callable[[], int], setup: Setup, label: str) -> dict:
     """Images/s of `step` (it returns the images it trained on) over setup.steps steps after
-    setup.warmup, with the CPU cores the whole process tree used meanwhile."""
+    setup.warmup, with the CPU cores the whole process tree used and the peak GPU memory."""
     device = torch.device(setup.device)
-    on_cuda = device.type == "cuda"
     for _ in range(setup.warmup):
         step()
-    if on_cuda:
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cpu, started = cpu_seconds(), time.perf_counter()
-    images = sum(step() for _ in range(setup.steps))
-    if on_cuda:
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - started
-    return {"label": label, "images_per_s": images / seconds,
-            "cpu_cores": (cpu_seconds() - cpu) / seconds,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None}
+    return {"label": label, **throughput(step, setup.steps, device), "peak_memory_gb":
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
 def ours(setup: Setup, decoder: str) -> dict:

@@ -41,14 +41,12 @@ TARGET = 0.8577  # the leaderboard's top-1 for 128 px, 5 epochs
 
 @dataclass(frozen=True)
 class Options:
-    """What a user sets of the parts; `imagenette`: flags for that part's command (a rehearsal
-    on a CPU at a tiny size)."""
+    """What a user sets of the parts."""
     test_processes: int = 4
     select: str = ""
     dali_threads: int = 8
     dali_batch: int = 256
     dali_sample: str = "tiny"
-    imagenette: tuple[str, ...] = ()
 
 
 def bench(*args: str) -> list[str]:
@@ -114,8 +112,8 @@ def parts(options: Options = Options()) -> list[Part]:
              f"{TARGET}): our recipe (the 2020 holder's: its SE-ResNeXt, Ranger, batch 32) on "
              "the real photos (IMAGENETTE_ROOT, else fast.ai's archive, downloaded once), "
              "seeds 0, 1, 2, then pytorch/examples' recipe while a run fits", 145,
-             lambda p: bench(*imagenette_row(), "--json", str(p.report("imagenette")),
-                             *o.imagenette), summary=reports.peers),
+             lambda p: bench(*imagenette_row(), "--json", str(p.report("imagenette"))),
+             summary=reports.peers),
         Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
              "px, batch 256, one GPU, one short epoch", 135,
              lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),

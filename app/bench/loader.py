@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from app.bench.peer_examples import peer_batches
-from app.bench.usage import cpu_seconds
+from app.bench.usage import throughput
 from app.catalog import Catalog
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.catalog.tables import load_tables
@@ -45,7 +45,7 @@ def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, b
         root, frame, recipe, batches_for(frame, batch_size, root.options.get(
             "window", DEFAULT_WINDOW), seed=0), workers, InputFormat(device)))
     try:
-        sizes = ((len(b), len(b.skipped)) for b in batches_forever(pipeline))
+        sizes = (len(b) + len(b.skipped) for b in batches_forever(pipeline))
         result = timed(sizes, batches, device, started)
     finally:
         pipeline.close()  # stop the loader processes before the next dataset starts its own
@@ -57,30 +57,21 @@ def measure(root: DatasetRoot, image_size: int, batch_size: int, workers: int, b
 def measure_peer(root: DatasetRoot, image_size: int, batch_size: int, workers: int,
                  batches: int, device: torch.device) -> dict:
     frame = load_tables(root).train
-    sizes = ((len(labels), 0) for _, labels in peer_batches(root, frame, image_size,
-                                                             batch_size, workers, device))
+    sizes = (len(labels) for _, labels in peer_batches(root, frame, image_size, batch_size,
+                                                        workers, device))
     return {"dataset": root.name, "decoder": "pytorch/examples", "url": root.url,
             **timed(sizes, batches, device)}
 
 
-def timed(sizes: Iterator[tuple[int, int]], batches: int, device: torch.device,
+def timed(sizes: Iterator[int], batches: int, device: torch.device,
           started: float | None = None) -> dict:
     """Images/s and CPU of `batches` batches, after one for start-up (processes, connections
-    and DALI's pipeline are not throughput); `sizes` yields (images, skipped) per batch.
-    `started`: when the pipeline was asked for, for the first batch's latency."""
+    and DALI's pipeline are not throughput); `sizes` yields each batch's images, the skipped
+    counted. `started`: when the pipeline was asked for, for the first batch's latency."""
     started = time.perf_counter() if started is None else started
     next(sizes)
     first_batch_s = time.perf_counter() - started
-    read = 0
-    cpu, started = cpu_seconds(), time.perf_counter()
-    for images, skipped in itertools.islice(sizes, batches):
-        read += images + skipped
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"images": read, "seconds": elapsed, "images_per_s": read / elapsed,
-            "first_batch_s": first_batch_s,
-            "cpu_cores": cpu / elapsed, "cpu_ms_per_image": 1000 * cpu / read}
+    return {**throughput(lambda: next(sizes), batches, device), "first_batch_s": first_batch_s}
 
 
 def reader_cost(root: DatasetRoot, frame, batch_size: int, batches: int) -> dict:
@@ -97,12 +88,11 @@ def reader_cost(root: DatasetRoot, frame, batch_size: int, batches: int) -> dict
     warmup, *paths = [[frame.path[i] for i, _ in batch]
                       for batch in itertools.islice(order, batches + 1)]
     reader.read_many(warmup)  # connections and threads start here
-    cpu, started = cpu_seconds(), time.perf_counter()
-    count = 0
-    for current, upcoming in zip(paths, paths[1:] + [[]]):
-        count += len(reader.read_many(current, upcoming))
-    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"gets": count, "gets_per_s": count / elapsed, "cpu_ms_per_get": 1000 * cpu / count}
+    pairs = zip(paths, paths[1:] + [[]])
+    gets = throughput(lambda: len(reader.read_many(*next(pairs))), len(paths),
+                      torch.device("cpu"))
+    return {"gets": gets["images"], "gets_per_s": gets["images_per_s"],
+            "cpu_ms_per_get": gets["cpu_ms_per_image"]}
 
 
 def roots_to_measure(catalog: Catalog, names: list[str], readers: tuple[str, ...]

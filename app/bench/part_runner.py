@@ -104,26 +104,20 @@ def run_command(command: list[str], log: Path, deadline_s: float, env: dict[str,
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the part's whole process group (a driver saves and stops its workers),
-    SIGKILL to whatever of it is left after GRACE_S."""
-    signal_group(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=GRACE_S)
-    signal_group(process.pid, signal.SIGKILL)  # stragglers of the group, or its leader
-    with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: left behind
-        process.wait(timeout=GRACE_S)
-
-
-def signal_group(group: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # nothing of the group is left
-        os.killpg(group, sig)
+    """SIGTERM to the part's whole process group (a driver saves and stops its workers), then
+    SIGKILL to whatever of it is left after GRACE_S (stragglers, or the leader); one stuck in
+    the kernel is left behind."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # nothing of the group is left
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=GRACE_S)
 
 
 def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -> dict:
-    log = paths.out / f"{part.name}.log"
+    log, started = paths.out / f"{part.name}.log", time.monotonic()
     paths.clear(part.name)
     command = part.command(paths)
-    started = time.monotonic()
     code, ending = run_command(command, log, deadline_s,
                                {**env, **part.env, DEADLINE_ENV: f"{deadline_s:.0f}"})
     seconds = time.monotonic() - started
@@ -147,10 +141,9 @@ def not_run(part: Part, left_s: float, given_s: float) -> dict:
 
 def run_parts(parts: list[Part], budget_s: float, paths: Paths, env: dict[str, str]
               ) -> list[dict]:
-    paths.out.mkdir(parents=True, exist_ok=True)
-    paths.work.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    outcomes: list[dict] = []
+    for folder in (paths.out, paths.work):
+        folder.mkdir(parents=True, exist_ok=True)
+    started, outcomes = time.monotonic(), []
     for index, part in enumerate(parts):
         left = budget_s - (time.monotonic() - started)
         given = time_for(parts, index, left)
@@ -179,12 +172,10 @@ def write_summary(path: Path, budget_s: float, parts: list[Part], outcomes: list
                                                       f"{o['seconds']:.0f}") for o in outcomes))]
     summaries = {part.name: part.summary for part in parts}
     for outcome in outcomes:
-        figures = outcome["figures"]
-        if figures:
+        if figures := outcome["figures"]:
             lines += ["", f"## {outcome['name']}", ""]
             try:
-                lines += [f"- skipped: {figures['skipped']}"] if "skipped" in figures else \
-                    summaries[outcome["name"]](figures)
+                lines += summaries[outcome["name"]](figures)
             except Exception as error:  # noqa: BLE001 (the figures stay in <part>.json)
                 lines.append(f"(figures in {outcome['name']}.json; summary failed: {error})")
     path.write_text("\n".join(lines) + "\n")

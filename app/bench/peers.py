@@ -75,7 +75,8 @@ def ours_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
 
 
 def examples_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
-    return [sys.executable, "-m", "app.bench.peer_examples", str(root), "-a", peer_arch(setup),
+    return [sys.executable, "-m", "app.bench.peer_examples", str(root), "-a",
+            setup.peer_arch or setup.arch,
             "--image-size", str(setup.image_size), "-b", str(setup.batch_size),
             "--epochs", str(setup.epochs), "-j", str(setup.workers), "--seed", str(seed),
             "--device", "cuda" if setup.device.startswith("cuda") else "cpu", "--out", str(out)]
@@ -85,9 +86,11 @@ def timm_command(setup: Setup, seed: int, out: Path, root: Path) -> list[str]:
     # train.py's defaults otherwise, but for its 5 warmup epochs: as long as a short run itself
     recipe = timm_recipe_flags(setup) if setup.peer_recipe == "ours" else (
         "--epochs", str(setup.epochs), "--warmup-epochs", str(min(5, max(1, setup.epochs // 5))))
+    # train.py builds a 1,000-class head unless told; main.py's ImageFolder counts the classes
+    classes = sum(1 for folder in (root / "train").iterdir() if folder.is_dir())
     return [sys.executable, setup.timm_train, "--data-dir", str(root), "--train-split", "train",
-            "--val-split", "val", "--model", peer_arch(setup), "--num-classes",
-            str(classes(root)), "--img-size", str(setup.image_size), "-b", str(setup.batch_size),
+            "--val-split", "val", "--model", setup.peer_arch or setup.arch, "--num-classes",
+            str(classes), "--img-size", str(setup.image_size), "-b", str(setup.batch_size),
             *recipe, "-j", str(setup.workers), "--seed", str(seed), "--output", str(out),
             "--experiment", "peers", "--checkpoint-hist", "1", "--log-interval", "50",
             # on a GPU, what timm's README runs: its CUDA prefetcher, AMP, channels_last
@@ -154,15 +157,6 @@ def cpu_precision_flags(train) -> tuple[str, ...]:
     return (*bf16, *(("--channels-last",) if ours.channels_last else ()))
 
 
-def peer_arch(setup: Setup) -> str:
-    return setup.peer_arch or setup.arch
-
-
-def classes(root: Path) -> int:
-    """train.py builds a 1,000-class head unless told; main.py's ImageFolder counts them."""
-    return sum(1 for folder in (root / "train").iterdir() if folder.is_dir())
-
-
 # Each trainer's epochs, in order: (top-1, wall-clock time at the epoch's end or None, images
 # trained and the seconds their steps took, or None where the trainer does not say).
 Epoch = tuple[float, float | None, tuple[int, float] | None]
@@ -189,12 +183,9 @@ def timm_epochs(out: Path, stdout: str) -> list[Epoch]:
         return [(float(row["eval_top1"]) / 100, None, None) for row in csv.DictReader(handle)]
 
 
-COMMANDS: dict[str, Callable[[Setup, int, Path, Path], list[str]]] = {
-    "ours": ours_command, "examples": examples_command, "timm": timm_command,
-    "fastai": fastai_command}
-EPOCHS: dict[str, Callable[[Path, str], list[Epoch]]] = {
-    "ours": ours_epochs, "examples": printed_epochs, "timm": timm_epochs,
-    "fastai": printed_epochs}
+# each trainer's command (setup, seed, its output folder, the photos) and reading of its epochs
+COMMANDS = {"ours": (ours_command, ours_epochs), "examples": (examples_command, printed_epochs),
+            "timm": (timm_command, timm_epochs), "fastai": (fastai_command, printed_epochs)}
 
 
 def time_to_target(epochs: list[Epoch], started: float, ended: float,
@@ -210,7 +201,7 @@ def time_to_target(epochs: list[Epoch], started: float, ended: float,
 def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"peers-{trainer}-") as folder:
         out = Path(folder)
-        command = COMMANDS[trainer](setup, seed, out, root)
+        command, epochs_of = COMMANDS[trainer][0](setup, seed, out, root), COMMANDS[trainer][1]
         env = fastai_env() if trainer == "fastai" else None
         cpu_before, started = children_cpu_s(), time.time()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
@@ -219,7 +210,7 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
         if done.returncode:
             raise RuntimeError(f"{trainer} (seed {seed}) failed with exit {done.returncode}: "
                                f"{done.stderr[-3000:]}")
-        epochs = EPOCHS[trainer](out, done.stdout)
+        epochs = epochs_of(out, done.stdout)
         steps = [step for _, _, step in epochs]
         images, seconds = (sum(column) for column in zip(*steps)) if None not in steps \
             else (None, None)

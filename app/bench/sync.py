@@ -1,7 +1,8 @@
 """Step time of the gradient sync modes on the same model and per-worker batch, in one run:
 1 worker (no sync), N workers with the parameter server, N workers with all-reduce, on
 synthetic inputs (only compute and gradient traffic count). Each mode runs in a process of its
-own, so one mode's GPU memory (the caching allocator keeps it) is gone before the next starts."""
+own, so one mode's GPU memory (the caching allocator keeps it) is gone before the next
+starts."""
 
 from __future__ import annotations
 
@@ -63,17 +64,8 @@ def bench_process(job: SyncBenchJob, env: WorkerEnv, plan, cpu_workers: int) -> 
     sync.close()
 
 
-def in_process(target: Callable, args: tuple, what: str) -> None:
-    """`target(*args)` in a spawned process of its own; raises if it fails."""
-    process = torch.multiprocessing.get_context("spawn").Process(target=target, args=args)
-    process.start()
-    process.join()
-    if process.exitcode != 0:
-        raise RuntimeError(f"{what} failed (exit {process.exitcode})")
-
-
 def run_mode(job: SyncBenchJob, devices: list[str], mode: str, parallel: ParallelConfig) -> None:
-    """One mode, in a process of its own (the single worker of `local` runs in it)."""
+    """One mode, in a spawned process of its own (the single worker of `local` runs in it)."""
     sys.exit(launch(bench_process, job, devices, mode, parallel))
 
 
@@ -102,16 +94,19 @@ def run(arch: str, batch_size: int, image_size: int, devices: list[str], steps: 
         for label, mode, mode_devices in modes:
             job = SyncBenchJob(arch, batch_size, image_size, steps, warmup,
                                str(Path(folder) / f"{mode}.json"), compile, compile_backend)
-            in_process(run_mode, (job, mode_devices, mode, parallel), f"benchmark run '{label}'")
+            process = torch.multiprocessing.get_context("spawn").Process(
+                target=run_mode, args=(job, mode_devices, mode, parallel))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"benchmark run '{label}' failed (exit {process.exitcode})")
             times = json.loads(Path(job.result_file).read_text())
             step = statistics.median(times)
             results.append({"label": label, "mode": mode, "workers": len(mode_devices),
-                            "step_time_s": step,
-                            "images_per_s": batch_size * len(mode_devices) / step,
-                            "step_times_s": times})
-            by_mode = {r["mode"]: r for r in results}
+                            "step_time_s": step, "step_times_s": times,
+                            "images_per_s": batch_size * len(mode_devices) / step})
+            by_mode = {r["mode"]: r["step_time_s"] for r in results}
             if {"ps", "allreduce"} <= set(by_mode):
-                report["ps_over_allreduce"] = by_mode["ps"]["step_time_s"] / \
-                    by_mode["allreduce"]["step_time_s"]
+                report["ps_over_allreduce"] = by_mode["ps"] / by_mode["allreduce"]
             progress(report)
     return report

@@ -1,15 +1,30 @@
-"""CPU time of this process and every process below it (loader workers, DALI's readers), from
-/proc: how many cores an input pipeline really costs, children that are still running
-included (getrusage counts only those that ended)."""
+"""Images/s and the CPU time of this process and every process below it (loader workers, DALI's
+readers), from /proc: how many cores an input pipeline really costs, children that are still
+running included (getrusage counts only those that ended)."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 from app.runtime.liveness import descendants
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def throughput(step: Callable[[], int], steps: int, device) -> dict:
+    """Images/s of `steps` calls of `step` (each returns the images it handled), and the cores
+    the process tree used meanwhile; the device's queue is waited for at both ends."""
+    import torch  # noqa: PLC0415 (start's bench imports this module for TICKS alone)
+    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    wait()
+    cpu, started = cpu_seconds(), time.perf_counter()
+    images = sum(step() for _ in range(steps))
+    wait()
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "cpu_cores": cpu / seconds, "cpu_ms_per_image": 1000 * cpu / images}
 
 
 def cpu_seconds() -> float:
