@@ -19,11 +19,8 @@ from app.runtime.files import write_atomically
 
 EXAMPLES = r"""examples:
   python bin/bench.py e2e --dataset sample_bench -a resnet50 -b 256 -j 8   # training from JPEGs
-  python bin/bench.py model -a resnet50 -b 256                   # model only, ours vs the peer
-  python bin/bench.py model -a resnet50 -b 256 --random-erase 0.25 --mixup-alpha 0.2 \
-      --cutmix-alpha 1.0                                         # + batch augmentations
+  python bin/bench.py model -a resnet50 -b 256 --sizes 160,192,224   # model only, vs the peer
   python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu   # gradient sync modes
-  python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # s3fs, obstore
   python bin/bench.py loader --dataset sample_bench --decoders pillow,dali --auto-augment ta_wide
   python bin/bench.py predict exports/demo --images val/ --limit 256  # ONNX Runtime vs PyTorch
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
@@ -32,10 +29,7 @@ EXAMPLES = r"""examples:
   python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine proved, in 30 minutes
 """
 
-Flag = tuple[tuple[str, ...], dict]
-
-
-def flag(*names: str, **options) -> Flag:
+def flag(*names: str, **options) -> tuple[tuple[str, ...], dict]:
     return names, options
 
 
@@ -47,7 +41,7 @@ NAMES = {"catalog": ("--catalog",), "dataset": ("--dataset",), "arch": ("-a", "-
 JSON = flag("--json", help="also write the report to this file, after each row (run)")
 
 
-def shared(**defaults) -> list[Flag]:
+def shared(**defaults) -> list[tuple]:
     """NAMES' flags with these defaults, an int default making an int flag; (default, help)
     adds a help."""
     found = []
@@ -60,7 +54,7 @@ def shared(**defaults) -> list[Flag]:
 
 AUGMENTS = (("random-erase", "random erasing probability"), ("mixup-alpha", "mixup alpha"),
             ("cutmix-alpha", "cutmix alpha"))
-COMMANDS: dict[str, tuple[str, list[Flag]]] = {
+COMMANDS: dict[str, tuple[str, list[tuple]]] = {
     "e2e": ("training from JPEG files: ours vs the pytorch/examples recipe, and as a share of "
             "model-only speed", [
         *shared(catalog="datasets.toml", dataset="sample_bench", arch="resnet50",
@@ -216,6 +210,13 @@ def saver(path: str | None) -> Callable[[dict], None]:
     return lambda report: write_atomically(path, json.dumps(report, indent=2))
 
 
+def setup_from(kind, args: argparse.Namespace, **given):
+    """A `kind` of Setup (a dataclass) from the flags of its fields' names, `given` over them."""
+    return kind(**{**{field.name: getattr(args, field.name)
+                      for field in dataclasses.fields(kind) if hasattr(args, field.name)},
+                   **given})
+
+
 def peers_run(args: argparse.Namespace, error: Callable[[str], None]
               ) -> tuple[Setup, list[str], list[int], float]:
     """(setup, trainers, seeds, target) from peers' flags; `error` (the parser's) for a
@@ -226,10 +227,8 @@ def peers_run(args: argparse.Namespace, error: Callable[[str], None]
     if "timm" in trainers and not Path(args.timm_train).is_file():
         error("--timm-train: give train.py of a pytorch-image-models checkout, or leave timm "
               "out of --trainers")
-    setup = Setup(args.catalog, args.dataset, args.config, args.arch, args.image_size,
-                  args.batch_size, args.epochs, args.workers,
-                  str(Path(args.timm_train).resolve()) if args.timm_train else "", args.device,
-                  args.peer_arch, args.peer_recipe, args.ours_args)
+    setup = setup_from(Setup, args, timm_train=str(Path(args.timm_train).resolve())
+                       if args.timm_train else "")
     return setup, trainers, numbers(args.seeds), args.target
 
 
@@ -239,9 +238,7 @@ def e2e(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import e2e as bench  # noqa: PLC0415
     from app.data.decoders import DECODERS  # noqa: PLC0415
     decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
-    return bench.run(bench.Setup(args.catalog, args.dataset, args.arch, args.batch_size,
-                                 args.image_size, args.workers, args.device, args.steps,
-                                 args.warmup, tuple(decoders), args.compile), save)
+    return bench.run(setup_from(bench.Setup, args, decoders=tuple(decoders)), save)
 
 
 def model(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -292,8 +289,7 @@ def start(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import start as bench  # noqa: PLC0415
     if args.peer and args.device != "cpu":
         build_parser().error("start: --peer runs on CPU processes only (gloo)")
-    setup = bench.Setup(args.dataset, args.arch, args.image_size, args.batch_size,
-                        args.epochs, args.device)
+    setup = setup_from(bench.Setup, args)
     rows = bench.rows_for(numbers(args.workers), args.sync.split(","), numbers(args.loaders),
                           args.restart, args.peer)
     baseline = Path(args.baseline_repo).resolve() if args.baseline_repo else None

@@ -13,9 +13,8 @@ from typing import Callable
 import torch
 
 from app.bench import model as model_bench
-from app.bench.loader import batches_forever
+from app.bench.loader import batches_forever, throughput
 from app.bench.peer_examples import peer_batches
-from app.bench.usage import throughput
 from app.catalog import Catalog
 from app.catalog.tables import load_tables
 from app.data.decoders import dali_imports

@@ -4,10 +4,10 @@ is one more entry in `parts()`.
 
 The deadlines of the parts before the gpu tests, STOP_S and the tests' reserved slice add up to
 600 s, so in any budget from there each gets its whole deadline even if every part before it
-runs to its own (estimates: docs/benchmarks.md, gpu-check); what a budget holds beyond every
-part's deadline goes to the gpu tests. The extras run after the tests, on what the parts before
-them left unused. `prepare` fills the compile cache every later part shares, so that each loads
-its graphs rather than compiling them."""
+runs to its own; what a budget holds beyond every part's deadline goes to the gpu tests. The
+extras run after the tests, on what the parts before them left unused. `prepare` fills the
+compile cache every later part shares, so that each loads its graphs rather than compiling
+them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from app.bench import gpu_tests, reports
 from app.bench.part_runner import REPO, Part, Paths, part_environment, run_parts, sized
 from app.bench.probe import check_requirements
 
-PYTHON = sys.executable
 DATA = ("--dataset", "sample_bench")
 RESNET = ("-a", "resnet50", "-b", "256")
 # one short epoch: 40 classes of the bench sample (4,800 train, 400 val images), nvJPEG
@@ -50,16 +49,12 @@ class Options:
 
 
 def bench(*args: str) -> list[str]:
-    return [PYTHON, str(REPO / "bin" / "bench.py"), *args]
+    return [sys.executable, str(REPO / "bin" / "bench.py"), *args]
 
 
 def driver(paths: Paths, name: str, *args: str) -> list[str]:
-    return [PYTHON, str(REPO / "bin" / "driver.py"), *args, "--output-dir", str(paths.runs),
-            "--run-name", name]
-
-
-def module(name: str, *args: str) -> list[str]:
-    return [PYTHON, "-m", name, *args]
+    return [sys.executable, str(REPO / "bin" / "driver.py"), *args, "--output-dir",
+            str(paths.runs), "--run-name", name]
 
 
 def imagenette_row() -> list[str]:
@@ -77,43 +72,38 @@ def imagenette_row() -> list[str]:
 
 
 def run_figures(paths: Paths, name: str) -> dict | None:
-    """A driver run's figures, from its metrics.jsonl."""
+    """A driver run's figures, from its metrics.jsonl (medians over the print intervals after
+    the first, which compiles)."""
     metrics = paths.runs / name / "metrics.jsonl"
     if not metrics.exists():
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    intervals = [r for r in rows if "train/images_per_sec" in r][1:]  # the first compiles
+    intervals = [r for r in rows if "train/images_per_sec" in r][1:]
     epochs = [r for r in rows if "val/top1" in r]
     compiled = [r["compile/first_step_s"] for r in rows if "compile/first_step_s" in r]
     return {"finished": bool(epochs), "steps": max((r["step"] for r in rows), default=0),
-            "images_per_s": median(r["train/images_per_sec"] for r in intervals),
-            "data_wait": median(r["train/data_wait"] for r in intervals),
+            **{field: statistics.median(r[key] for r in intervals) if intervals else None
+               for field, key in (("images_per_s", "train/images_per_sec"),
+                                  ("data_wait", "train/data_wait"))},
             "compile_first_step_s": compiled[0] if compiled else None,
             "epoch_time_s": epochs[-1]["epoch/time_s"] if epochs else None,
             "skipped": epochs[-1]["train/skipped"] + epochs[-1]["val/skipped"] if epochs
             else None}
 
 
-def median(values) -> float | None:
-    values = list(values)
-    return statistics.median(values) if values else None
-
-
 # Deadlines in s: up to the gpu tests, with STOP_S and TESTS_S, they add up to 600 s (the
 # module's docstring says why).
-def parts(options: Options = Options()) -> list[Part]:
+def parts(o: Options = Options()) -> list[Part]:
     """Every part, in its order of value."""
-    o = options
     return [
-        Part("probe", "versions, GPU, memory", 30,
-             lambda p: module("app.bench.probe", "--json", str(p.report("probe"))),
+        Part("probe", "versions, GPU, memory", 30, lambda p: [
+            sys.executable, "-m", "app.bench.probe", "--json", str(p.report("probe"))],
              summary=reports.probe),
-        Part("imagenette", "Imagenette's leaderboard row, 128 px 5 epochs (target top-1 "
-             f"{TARGET}): our recipe (the 2020 holder's: its SE-ResNeXt, Ranger, batch 32) on "
-             "the real photos (IMAGENETTE_ROOT, else fast.ai's archive, downloaded once), "
-             "seeds 0, 1, 2, then pytorch/examples' recipe while a run fits", 145,
-             lambda p: bench(*imagenette_row(), "--json", str(p.report("imagenette"))),
-             summary=reports.peers),
+        Part("imagenette", f"Imagenette's row, 128 px 5 epochs (target top-1 {TARGET}): the "
+             "2020 holder's recipe (its SE-ResNeXt, Ranger, batch 32) on IMAGENETTE_ROOT's "
+             "photos or fast.ai's archive, seeds 0, 1, 2, then pytorch/examples' while a run "
+             "fits", 145, lambda p: bench(*imagenette_row(), "--json",
+                                          str(p.report("imagenette"))), summary=reports.peers),
         Part("prepare", "the bench sample and the compile caches: ResNet-50 by regions, 224 "
              "px, batch 256, one GPU, one short epoch", 135,
              lambda p: driver(p, "prepare", *TRAIN, "--device", "cuda:0", "-j", "12"),
@@ -147,10 +137,10 @@ def parts(options: Options = Options()) -> list[Part]:
                              "--steps", "10", "--warmup", "3", "--json", str(p.report("sync"))),
              summary=reports.sync),
         Part("dali_memory", "what each DALI pipeline (train, then val) reserves at build and at "
-             "its first batch, beside the formula", 45,
-             lambda p: module("app.bench.dali_reserve", "--json", str(p.report("dali_memory")),
-                              "--threads", str(o.dali_threads), "--batch-size",
-                              str(o.dali_batch), "--sample", o.dali_sample),
+             "its first batch, beside the formula", 45, lambda p: [
+                 sys.executable, "-m", "app.bench.dali_reserve", "--json",
+                 str(p.report("dali_memory")), "--threads", str(o.dali_threads),
+                 "--batch-size", str(o.dali_batch), "--sample", o.dali_sample],
              summary=reports.dali),
         Part("model", "ResNet-50 model only, 224 px, batch 256: ours compiled whole and eager "
              "beside the pytorch/examples numerics", 120,
@@ -167,8 +157,7 @@ def parts(options: Options = Options()) -> list[Part]:
 def chosen(names: str, budget_s: float, options: Options = Options()) -> list[Part]:
     """The parts named (comma-separated; all for "") in their order of value, sized to the
     budget."""
-    every = parts(options)
-    wanted = {name for name in names.split(",") if name}
+    every, wanted = parts(options), {name for name in names.split(",") if name}
     unknown = wanted - {part.name for part in every}
     if unknown:
         raise ValueError(f"unknown parts {', '.join(sorted(unknown))}; known: "

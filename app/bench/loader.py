@@ -2,7 +2,10 @@
 Several datasets in one run (ratios to the first), an object-store dataset once per reader
 (the baseline first), every dataset once per decoder, plain and with each auto-augment policy
 (ratios to the plain row); the peer's loader (app/bench/peer_examples.py) on the first dataset
-is the baseline of them all. The reader alone is measured too: GETs/s and client CPU per GET."""
+is the baseline of them all. The reader alone is measured too: GETs/s and client CPU per GET.
+The CPU counted is this process's and every process's below it (loader workers, DALI's
+readers), from /proc: how many cores a pipeline really costs, children that are still running
+included (getrusage counts only those that ended)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,11 @@ import dataclasses
 import itertools
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from app.bench.peer_examples import peer_batches
-from app.bench.usage import throughput
 from app.catalog import Catalog
 from app.catalog.storage import SHARD_LAYOUTS, DatasetRoot
 from app.catalog.tables import load_tables
@@ -25,8 +27,39 @@ from app.data.pipeline import InputFormat, InputPipeline, PipelineSpec
 from app.data.reader import BlobReader
 from app.data.sampler import ShardedBatches
 from app.data.windows import DEFAULT_WINDOW, batches_for
+from app.runtime.liveness import descendants
 
 DEFAULT_READERS = ("s3fs", "obstore")  # the baseline first
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def throughput(step: Callable[[], int], steps: int, device) -> dict:
+    """Images/s of `steps` calls of `step` (each returns the images it handled), and the cores
+    the process tree used meanwhile; the device's queue is waited for at both ends."""
+    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    wait()
+    cpu, started = cpu_seconds(), time.perf_counter()
+    images = sum(step() for _ in range(steps))
+    wait()
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    return {"images": images, "seconds": seconds, "images_per_s": images / seconds,
+            "cpu_cores": cpu / seconds, "cpu_ms_per_image": 1000 * cpu / images}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all its threads, to the microsecond) and of
+    every process below it (to the clock tick: 10 ms)."""
+    return time.process_time() + sum(map(process_cpu_seconds, descendants(os.getpid())))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (after the name)
+    except (OSError, IndexError, ValueError):  # gone meanwhile, or no /proc
+        return 0.0
 
 
 def batches_forever(pipeline: InputPipeline):

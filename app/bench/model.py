@@ -144,31 +144,17 @@ def augment_alone_ms(augment: BatchAugment, batch_size: int, image_size: int, de
         steps
 
 
-def by_size(arch: str, setting: ModelSetting, batch_sizes: list[int], sizes: list[int],
-            step_kinds: list[str], device: str, steps: int, warmup: int,
-            progress: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """One setting at every (batch size, image size, optimizer step), each against the largest
-    size at the same batch and step (beside the pixel ratio: what progressive resizing can buy)
-    and against the first step kind at the same shape (None while that row is to come)."""
-    rows: list[dict] = []
-    for batch in batch_sizes:
-        for size in sizes:
-            for kind in step_kinds:
-                rows.append(measure(arch, setting, batch, size, device, steps, warmup,
-                                    optimizer_step=kind))
-                progress(compared(rows, max(sizes), step_kinds[0]))
-    return compared(rows, max(sizes), step_kinds[0])
-
-
 def compared(rows: list[dict], largest: int, first_step: str) -> list[dict]:
+    """The grid's rows, each against the largest size at the same batch and step (beside the
+    pixel ratio: what progressive resizing can buy) and against the first step kind at the
+    same shape (None while that row is to come)."""
     def speed_against(row: dict, size: int, kind: str) -> float | None:
         other = next((r for r in rows if (r["batch_size"], r["image_size"], r["optimizer_step"])
                       == (row["batch_size"], size, kind)), None)
         return row["images_per_s"] / other["images_per_s"] if other else None
-    return [{"batch_size": r["batch_size"], "image_size": r["image_size"],
-             "optimizer_step": r["optimizer_step"], "images_per_s": r["images_per_s"],
-             "step_ms": r["step_ms"], "first_step_s": r["first_step_s"],
-             "peak_memory_gb": r["peak_memory_gb"],
+    kept = ("batch_size", "image_size", "optimizer_step", "images_per_s", "step_ms",
+            "first_step_s", "peak_memory_gb")
+    return [{**{key: r[key] for key in kept},
              "speed_vs_largest": speed_against(r, largest, r["optimizer_step"]),
              "pixels_vs_largest": (largest / r["image_size"]) ** 2,
              "speed_vs_first_step": speed_against(r, r["image_size"], first_step)}
@@ -181,7 +167,7 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         ema_every: int = 0, batch_sizes: list[int] | None = None,
         step_kinds: list[str] | None = None,
         progress: Callable[[dict], None] = lambda report: None) -> dict:
-    """`progress` gets the report after each row."""
+    """`progress` gets the report after each row, and once it is whole."""
     results: list[dict] = []
     report = {"what": "model only", "results": results, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}
@@ -205,15 +191,17 @@ def run(arch: str, batch_size: int, image_size: int, device: str, steps: int, wa
         row = measure(arch, settings[0], batch_size, image_size, device, steps, warmup,
                       ema_every=ema_every)
         report["ema"] = {**row, "step_vs_plain": row["step_ms"] / results[0]["step_ms"]}
-    if sizes or batch_sizes or step_kinds:
-        def grid_so_far(rows: list[dict]) -> None:
-            report["sizes"] = {"setting": settings[0].label, "results": rows}
+    if sizes or batch_sizes or step_kinds:  # our first setting at every (batch, size, step)
+        sizes, kinds, rows = sizes or [image_size], step_kinds or ["default"], []
+        for batch, size, kind in itertools.product(batch_sizes or [batch_size], sizes, kinds):
+            rows.append(measure(arch, settings[0], batch, size, device, steps, warmup,
+                                optimizer_step=kind))
+            report["sizes"] = {"setting": settings[0].label,
+                               "results": compared(rows, max(sizes), kinds[0])}
             progress(report)
-        grid_so_far(by_size(arch, settings[0], batch_sizes or [batch_size],
-                            sizes or [image_size], step_kinds or ["default"], device, steps,
-                            warmup, grid_so_far))
     # the peer's settings come last, when measured
     baseline = results[-1]["images_per_s"] if PEER in settings else None
     for result in results:
         result["ratio_to_peer"] = result["images_per_s"] / baseline if baseline else None
+    progress(report)
     return report

@@ -35,8 +35,7 @@ DEADLINE_ENV = "IMAGENET_DP_PART_DEADLINE_S"
 class Paths:
     out: Path  # reports: small files, to copy off the machine
     work: Path  # caches, samples, run folders
-    # `out` packed into one .tar.gz after each part: one file to copy off the machine
-    archive: Path | None = None
+    archive: Path | None = None  # `out` packed into one .tar.gz after each part
 
     def report(self, part: str) -> Path:
         return self.out / f"{part}.report.json"
@@ -53,11 +52,9 @@ class Paths:
 
 
 def read_report(paths: Paths, part: str) -> dict | None:
-    path = paths.report(part)
-    try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except json.JSONDecodeError:  # cut off while writing it
-        return None
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):  # none, or cut off
+        return json.loads(paths.report(part).read_text())
+    return None
 
 
 @dataclass(frozen=True)
@@ -133,8 +130,7 @@ def run_part(part: Part, paths: Paths, deadline_s: float, env: dict[str, str]) -
 
 
 def not_run(part: Part, left_s: float, given_s: float) -> dict:
-    kept = f", {left_s - given_s:.0f} s of it kept for later parts" if given_s < left_s - 1 \
-        else ""
+    kept = f", {left_s - given_s:.0f} s of it kept for later parts" * (given_s < left_s - 1)
     return {"name": part.name, "what": part.what, "seconds": 0.0,
             "status": f"not run: {left_s:.0f} s of the budget left{kept}", "figures": None}
 

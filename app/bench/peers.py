@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 import resource
 import shlex
 import statistics
@@ -25,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from app.bench.probe import machine
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = ("ours", "examples", "timm", "fastai")
@@ -228,17 +229,6 @@ def children_cpu_s() -> float:
     """User and system CPU seconds of the finished child processes (and theirs) so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def machine() -> dict:
-    """What the runs ran on: enough to tell two machines' figures apart."""
-    import torch  # noqa: PLC0415
-    info = Path("/proc/cpuinfo")
-    model = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
-                  if line.startswith("model name")), None) if info.exists() else None
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "system": platform.platform()}
 
 
 def expected_s(trainer: str, runs: list[dict]) -> float:

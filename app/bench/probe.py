@@ -37,6 +37,17 @@ def version_of(module: str) -> str | None:
         return None
 
 
+def machine() -> dict:
+    """What a figure was measured on: enough to tell two machines' figures apart."""
+    import torch  # noqa: PLC0415
+    info = Path("/proc/cpuinfo")
+    model = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                  if line.startswith("model name")), None) if info.exists() else None
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "system": platform.platform()}
+
+
 def probe() -> dict:
     import torch  # noqa: PLC0415
 
@@ -48,9 +59,8 @@ def probe() -> dict:
         gpus.append({"index": index, "name": props.name,
                      "capability": f"{props.major}.{props.minor}",
                      "total_gb": round(total / 2**30, 1), "free_gb": round(free / 2**30, 1)})
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-            "executable": sys.executable, "platform": platform.platform(),
-            "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), **machine(), "executable": sys.executable,
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(),
             "versions": {name: version_of(name) for name in (*REQUIRED, *OPTIONAL)},
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()

@@ -21,8 +21,9 @@ def cell(value) -> str:
     return "-" if value is None else str(value)
 
 
-def columns(rows: Iterable[dict], named: dict[str, str]) -> list[str]:
-    """The rows' `named` fields (key: header) as a table."""
+def columns(rows: Iterable[dict], spec: str) -> list[str]:
+    """The rows' fields as a table; `spec`: "key=header|key=header|...", in order."""
+    named = dict(pair.split("=", 1) for pair in spec.split("|"))
     return table("|".join(named.values()), ([cell(row.get(key)) for key in named]
                                             for row in rows))
 
@@ -39,11 +40,9 @@ def e2e(f: dict) -> list[str]:
     s, alone = f["setup"], (f["model_only"] or {}).get("images_per_s")
     return [f"end to end: {s['arch']}, batch {s['batch_size']}, {s['image_size']} px, "
             f"{s['dataset']}, {s['workers']} loader processes, {s['device']}", "",
-            *columns(f["results"], {"label": "run", "images_per_s": "images/s",
-                                    "ratio_to_peer": "vs peer",
-                                    "share_of_model_only": "of model only",
-                                    "cpu_cores": "CPU cores", "peak_memory_gb": "peak GB",
-                                    "skipped": "skipped"}),
+            *columns(f["results"], "label=run|images_per_s=images/s|ratio_to_peer=vs peer|"
+                     "share_of_model_only=of model only|cpu_cores=CPU cores|"
+                     "peak_memory_gb=peak GB|skipped=skipped"),
             "", f"model only, our settings: {number(alone, 1)} img/s"]
 
 
@@ -51,25 +50,23 @@ def model(f: dict) -> list[str]:
     first, extra, sizes = f["results"][0], f.get("batch_augment"), f.get("sizes")
     steps = f.get("optimizers", []) + ([f["ema"]] if "ema" in f else [])
     lines = [f"model only: {first['arch']}, batch {first['batch_size']}, {first['image_size']} "
-             f"px, {first['device']}", "", *columns(f["results"], {
-                 "label": "setting", "images_per_s": "images/s", "ratio_to_peer": "vs peer",
-                 "first_step_s": "first step s", "peak_memory_gb": "peak GB"})]
+             f"px, {first['device']}", "", *columns(
+                 f["results"], "label=setting|images_per_s=images/s|ratio_to_peer=vs peer|"
+                 "first_step_s=first step s|peak_memory_gb=peak GB")]
     if extra:
         lines += ["", f"batch augment (erase {extra['random_erase']:g}, mixup "
                   f"{extra['mixup_alpha']:g}, cutmix {extra['cutmix_alpha']:g}) alone: "
                   f"{extra['ms_per_step']:.2f} ms per batch, "
                   f"{extra['share_of_plain_step']:.1%} of the first setting's step"]
     if steps:
-        lines += ["", *columns(steps, {"label": "step", "images_per_s": "images/s", "step_ms":
-                                       "step ms", "step_vs_plain": "vs the first setting's"})]
+        lines += ["", *columns(steps, "label=step|images_per_s=images/s|step_ms=step ms|"
+                               "step_vs_plain=vs the first setting's")]
     if sizes:
         kind = sizes["results"][0]["optimizer_step"]
         lines += ["", f"by batch, image size and optimizer step ({sizes['setting']}):", "",
-                  *columns(sizes["results"], {
-                      "batch_size": "batch", "image_size": "size", "optimizer_step": "step",
-                      "images_per_s": "images/s", "step_ms": "step ms",
-                      "speed_vs_largest": "vs largest", "pixels_vs_largest": "pixels ratio",
-                      "speed_vs_first_step": f"vs {kind}"})]
+                  *columns(sizes["results"], "batch_size=batch|image_size=size|optimizer_step="
+                           "step|images_per_s=images/s|step_ms=step ms|speed_vs_largest=vs "
+                           f"largest|pixels_vs_largest=pixels ratio|speed_vs_first_step=vs {kind}")]
     return lines
 
 
@@ -77,14 +74,12 @@ def loader(f: dict) -> list[str]:
     return [f"loader only (read + decode + augment, batches on {f['device']}), batch "
             f"{f['batch_size']}, {f['workers']} loader processes, {f['image_size']} px, "
             f"{f['batches']} batches; the reader alone: client CPU per GET, no cache", "",
-            *columns(([f["peer"]] if f["peer"] else []) + f["results"], {
-                "dataset": "dataset", "reader": "reader", "decoder": "decoder",
-                "auto_augment": "augment", "images_per_s": "images/s",
-                "ratio_to_peer": "vs peer", "ratio_to_first": "vs first",
-                "ratio_to_plain": "vs plain", "cpu_cores": "cores",
-                "cpu_ms_per_image": "CPU ms/img", "gets_per_s": "GETs/s",
-                "cpu_ms_per_get": "CPU ms/GET", "cpu_per_get_vs_baseline": "vs base",
-                "first_batch_s": "1st batch s"})]
+            *columns(([f["peer"]] if f["peer"] else []) + f["results"],
+                     "dataset=dataset|reader=reader|decoder=decoder|auto_augment=augment|"
+                     "images_per_s=images/s|ratio_to_peer=vs peer|ratio_to_first=vs first|"
+                     "ratio_to_plain=vs plain|cpu_cores=cores|cpu_ms_per_image=CPU ms/img|"
+                     "gets_per_s=GETs/s|cpu_ms_per_get=CPU ms/GET|cpu_per_get_vs_baseline="
+                     "vs base|first_batch_s=1st batch s")]
 
 
 def sync(f: dict) -> list[str]:
@@ -92,8 +87,7 @@ def sync(f: dict) -> list[str]:
     return [f"{f['arch']} ({f['gradient_mb']:.0f} MB of gradients), batch "
             f"{f['batch_per_worker']} per worker, {f['image_size']} px, devices "
             f"{','.join(f['devices'])}, compile {f['compile']}, median of {f['steps']} steps",
-            "", *columns(f["results"], {"label": "mode", "step_time_s": "step s",
-                                        "images_per_s": "images/s"}),
+            "", *columns(f["results"], "label=mode|step_time_s=step s|images_per_s=images/s"),
             *(["", f"ps / allreduce step time: {ratio:.3f}"] if ratio is not None else [])]
 
 
@@ -121,12 +115,11 @@ def peers(f: dict) -> list[str]:
              f"{s['workers']}, {f['root']}; the peers' recipes: " + (
                  "timm's train.py ours, main.py its own" if s.get("peer_recipe") == "ours"
                  else "each its own default"), "",
-             *columns(({"trainer": name, **row} for name, row in f["summary"].items()), {
-                 "trainer": "trainer", "seeds": "seeds", "top1_mean": "top-1 mean",
-                 "top1_min": "min", "top1_max": "max", "wall_s_mean": "wall s",
-                 "wall_vs_first": "wall vs first", "train_images_per_s_mean": "train img/s",
-                 **({"runs_at_target": "runs at target",
-                     "time_to_target_s_mean": "time to it s"} if target else {})}), ""]
+             *columns(({"trainer": name, **row} for name, row in f["summary"].items()),
+                      "trainer=trainer|seeds=seeds|top1_mean=top-1 mean|top1_min=min|top1_max="
+                      "max|wall_s_mean=wall s|wall_vs_first=wall vs first|train_images_per_s_"
+                      "mean=train img/s" + ("|runs_at_target=runs at target|time_to_target_s_"
+                                            "mean=time to it s" if target else "")), ""]
     lines += table(f"trainer|seed|top-1 after epoch {s['epochs']}|wall|time to {target}", (
         (r["trainer"], r["seed"], f"{r['top1']:.4f}" + (
             "" if len(r["epoch_top1"]) == s["epochs"] else
@@ -141,9 +134,9 @@ def peers(f: dict) -> list[str]:
 def predict(f: dict) -> list[str]:
     return [f"predict: {f['arch']} at {f['image_size']} px, {f['images']} images, batch "
             f"{f['batch_size']}, CPU ({f['torch_threads']} torch threads), best of "
-            f"{f['repeats']}", "", *columns(f["results"], {
-                "runtime": "runtime", "model_images_per_s": "model img/s",
-                "e2e_images_per_s": "end to end img/s"}), "",
+            f"{f['repeats']}", "", *columns(f["results"], "runtime=runtime|model_images_per_s="
+                                              "model img/s|e2e_images_per_s=end to end img/s"),
+            "",
             f"logits differ by at most {f['max_logit_difference']:.2e}; top-1 agrees on "
             f"{f['top1_agreement']:.1%} of the images"]
 
@@ -170,7 +163,7 @@ def probe(f: dict) -> list[str]:
     gpus = ", ".join(f"{g['name']} ({g['total_gb']} GB, {g['free_gb']} GB free)"
                      for g in f["gpus"]) or "none"
     versions = f["versions"]
-    return [f"- GPUs: {gpus}; {f['cpu_count']} CPU cores",
+    return [f"- GPUs: {gpus}; {f['usable_cores']} CPU cores ({f['cpu']})",
             f"- Python {f['python']}, torch {versions['torch']}, torchvision "
             f"{versions['torchvision']}, CUDA {f['cuda']}; DALI "
             f"{'imports' if f['dali_imports'] else 'does not import'}"]

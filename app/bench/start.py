@@ -6,6 +6,7 @@ checkout (`--baseline-repo`) is measured in the same run, each of its rows right
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,11 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from app.bench.reports import start_row
-from app.bench.usage import TICKS
 from app.parallel.plans import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 600.0
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,11 @@ def driver_command(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
 
 def first_train_time(metrics: Path, after: float = 0.0) -> float | None:
     """The wall-clock time of the first train record in metrics.jsonl written after `after`."""
-    if not metrics.exists():
-        return None
-    for line in metrics.read_text().splitlines():
-        try:
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written
             record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if "train/loss" in record and record["time"] > after:
-            return record["time"]
+            if "train/loss" in record and record["time"] > after:
+                return record["time"]
     return None
 
 
@@ -184,8 +181,10 @@ def run(setup: Setup, rows: list[Row], repeats: int, baseline: Path | None,
             if row.kind == "peer" and version != "this":
                 continue
             runs = [measure(setup, row, repo, imagefolder) for _ in range(repeats)]
+            medians = {f"median_{key}": statistics.median(run[key] for run in runs)
+                       for key in ("cpu_s", "first_step_s", "wall_s")}
             report["rows"].append({**asdict(row), "label": row.label(), "version": version,
-                                   "runs": runs, **medians(runs)})
+                                   "runs": runs, **medians})
             save(report)
             print(*start_row(report["rows"][-1]), sep="  ", file=sys.stderr, flush=True)
     return report
@@ -195,8 +194,3 @@ def measure(setup: Setup, row: Row, repo: Path, imagefolder: Path | None) -> dic
     if row.kind == "peer":
         return measure_peer(setup, row, imagefolder)
     return (measure_restart if row.kind == "restart" else measure_ours)(setup, row, repo)
-
-
-def medians(runs: list[dict]) -> dict:
-    return {f"median_{key}": statistics.median(run[key] for run in runs)
-            for key in ("cpu_s", "first_step_s", "wall_s")}
