@@ -4,7 +4,7 @@
     python bin/bench.py model -a resnet50 -b 256                  # model only, ours vs peer
     python bin/bench.py sync -a resnet50 -b 16 --devices cpu,cpu  # gradient sync modes
     python bin/bench.py loader --dataset sample_bench --dataset imagenet_s3 -j 8  # readers
-    python3 bin/bench.py gpu-check                                # prove a GPU machine
+    python3 bin/bench.py gpu-check                                # prove a GPU box
 """
 
 import sys

@@ -26,7 +26,7 @@ EXAMPLES = r"""examples:
   python bin/bench.py start --workers 1,2,4 -j 1,2 --restart --peer   # what a start costs
   python bin/bench.py peers --dataset imagenette_local --config configs/imagenette_cpu.toml \
       --timm-train ~/pytorch-image-models/train.py --seeds 0,1   # top-1 and wall time, 3 ways
-  python3 bin/bench.py gpu-check --out gpu-check   # a GPU machine proved, in 30 minutes
+  python3 bin/bench.py gpu-check --out gpu-check   # a GPU box proved, in 30 minutes
 """
 
 def flag(*names: str, **options) -> tuple[tuple[str, ...], dict]:
@@ -155,7 +155,7 @@ COMMANDS: dict[str, tuple[str, list[tuple]]] = {
         flag("--deadline", type=float, default=float(os.environ.get(DEADLINE_ENV, 0)),
              help="seconds: the first trainer's seeds first, and only runs expected to end "
              "within them (default: a gpu-check part's own; 0: none)"), JSON]),
-    "gpu-check": ("prove a GPU machine end to end within a time budget (a new GPU box, a cloud "
+    "gpu-check": ("prove a GPU box end to end within a time budget (a new machine, a cloud "
                   "image, a driver upgrade): parts in their order of value, each with its own "
                   "deadline, each report written the moment it ends", [
         flag("--budget", type=float, default=BUDGET_S, help="seconds for all the parts "

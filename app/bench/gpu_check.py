@@ -1,4 +1,4 @@
-"""`bin/bench.py gpu-check`: a GPU machine proved end to end within the time budget its user
+"""`bin/bench.py gpu-check`: a GPU box proved end to end within the time budget its user
 chooses. Its parts, in their order of value, run by app/bench/part_runner.py: a new measurement
 is one more entry in `parts()`.
 

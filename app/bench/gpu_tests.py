@@ -24,7 +24,7 @@ ENDED = (re.compile(rf"^(?P<name>tests/\S.*?::.+?) (?P<outcome>{OUTCOMES})\b"),
 
 def gpu_test_files() -> list[str]:
     """The test files that hold gpu tests: the others are not collected (some import packages
-    a GPU machine may lack, and collecting them all in each test process costs much)."""
+    a GPU box may lack, and collecting them all in each test process costs much)."""
     return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")
                   if GPU_MARK.search(path.read_text()))
 
