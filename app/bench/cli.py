@@ -76,9 +76,6 @@ COMMANDS: dict[str, tuple[str, list[tuple]]] = {
              "with the weights' EMA every N steps (torchvision's: 32)"),
         flag("--sizes", default="", help="also our first setting at these image sizes, each "
              "against the largest: e.g. 160,192,224 (what progressive resizing buys)"),
-        flag("--batch-sizes", default="", help="... at these batch sizes (default: -b)"),
-        flag("--optimizer-steps", default="", help="... with these SGD steps (default, "
-             "foreach, fused), each against the first"),
         *(flag(f"--{name}", type=float, default=0.0, help=f"{what}: also our settings with "
                "the batch augmentations, and them alone") for name, what in AUGMENTS), JSON]),
     "sync": ("step time: 1 worker vs N workers ps vs allreduce", [
@@ -126,9 +123,7 @@ COMMANDS: dict[str, tuple[str, list[tuple]]] = {
              "first step, time to the first step of the restarted group"),
         flag("--peer", action="store_true", help="also: pytorch/examples' main.py recipe, as "
              "many processes and loader processes"),
-        flag("--repeats", type=int, default=2),
-        flag("--baseline-repo", help="another checkout of this project, measured in the same "
-             "run, each of its rows right after ours"), JSON]),
+        flag("--repeats", type=int, default=2), JSON]),
     "peers": ("the same training by ours, pytorch/examples' main.py recipe, timm's train.py "
               "and fastai (the Imagenette row's holder's recipe) on the same photos: top-1, "
               "wall time and train images/s per seed, mean and spread", [
@@ -145,8 +140,6 @@ COMMANDS: dict[str, tuple[str, list[tuple]]] = {
              "https://github.com/huggingface/pytorch-image-models"),
         flag("--device", default="cpu", help="cpu, or cuda:0: each trainer on one GPU (timm's "
              "train.py with --amp --channels-last, as its README runs)"),
-        flag("--target", type=float, default=0.0, help="a top-1 (e.g. 0.8577): also the time "
-             "each run takes to reach it"),
         flag("--peer-recipe", choices=("own", "ours"), default="own", help="own: each peer "
              "its default recipe; ours: timm's train.py runs our config's, so that only the "
              "trainer differs"),
@@ -211,41 +204,37 @@ def saver(path: str | None) -> Callable[[dict], None]:
 
 
 def setup_from(kind, args: argparse.Namespace, **given):
-    """A `kind` of Setup (a dataclass) from the flags of its fields' names, `given` over them."""
+    """A dataclass of `kind` from the flags of its fields' names (its defaults for the
+    others), `given` over them."""
     return kind(**{**{field.name: getattr(args, field.name)
                       for field in dataclasses.fields(kind) if hasattr(args, field.name)},
                    **given})
 
 
-def peers_run(args: argparse.Namespace, error: Callable[[str], None]
-              ) -> tuple[Setup, list[str], list[int], float]:
-    """(setup, trainers, seeds, target) from peers' flags; `error` (the parser's) for a
-    mistake."""
-    trainers = [name for name in args.trainers.split(",") if name]
-    if not trainers or set(trainers) - set(TRAINERS):
-        error(f"--trainers: known: {', '.join(TRAINERS)}")
+def peers_run(args: argparse.Namespace) -> tuple[Setup, list[str], list[int]]:
+    """(setup, trainers, seeds) from peers' flags, a mistake the parser's error."""
+    trainers = names_in("--trainers", args.trainers, TRAINERS, required=True)
     if "timm" in trainers and not Path(args.timm_train).is_file():
-        error("--timm-train: give train.py of a pytorch-image-models checkout, or leave timm "
-              "out of --trainers")
+        build_parser().error("--timm-train: give train.py of a pytorch-image-models checkout, "
+                             "or leave timm out of --trainers")
     setup = setup_from(Setup, args, timm_train=str(Path(args.timm_train).resolve())
                        if args.timm_train else "")
-    return setup, trainers, numbers(args.seeds), args.target
+    return setup, trainers, numbers(args.seeds)
 
 
 # Each command's run from its flags, to its report (read by reports.<command>); torch-heavy
 # modules load here, after parsing, so that --help and mistakes answer at once.
 def e2e(args: argparse.Namespace, save: Callable[[dict], None]):
-    from app.bench import e2e as bench  # noqa: PLC0415
+    from app.bench import loader as bench  # noqa: PLC0415
     from app.data.decoders import DECODERS  # noqa: PLC0415
     decoders = names_in("--decoders", args.decoders, ("auto", *DECODERS), required=True)
-    return bench.run(setup_from(bench.Setup, args, decoders=tuple(decoders)), save)
+    return bench.run_e2e(setup_from(bench.E2ESetup, args, decoders=tuple(decoders)), save)
 
 
 def model(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import model as bench  # noqa: PLC0415
     settings = [bench.OURS_EAGER] if args.no_compile else [bench.OURS, bench.OURS_EAGER]
-    augment = AugmentConfig(random_erase=args.random_erase, mixup_alpha=args.mixup_alpha,
-                            cutmix_alpha=args.cutmix_alpha)
+    augment = setup_from(AugmentConfig, args)  # its batch augmentations' flags
     # one row per optimizer, and one more per optimizer with clipping when asked for
     optimizers = [OptimConfig(optimizer=name) for name in args.optimizers.split(",") if name]
     optimizers += [dataclasses.replace(o, clip_grad_norm=args.clip_grad_norm)
@@ -254,26 +243,25 @@ def model(args: argparse.Namespace, save: Callable[[dict], None]):
         args.arch, args.batch_size, args.image_size, args.device, args.steps, args.warmup,
         settings + ([] if args.no_peer else [bench.PEER]),
         augment if augment != AugmentConfig() else None, numbers(args.sizes), optimizers,
-        args.model_ema_steps, numbers(args.batch_sizes),
-        names_in("--optimizer-steps", args.optimizer_steps, bench.OPTIMIZER_STEPS), save)
+        args.model_ema_steps, save)
 
 
 def sync(args: argparse.Namespace, save: Callable[[dict], None]):
-    from app.bench import sync as bench  # noqa: PLC0415
-    modes = names_in("--modes", args.modes, bench.MODES)
-    return bench.run(args.arch, args.batch_size, args.image_size, args.devices.split(","),
-                     args.steps, args.warmup, args.bucket_mb, args.compile,
-                     args.compile_backend, tuple(modes), save)
+    from app.bench import model as bench  # noqa: PLC0415
+    modes = names_in("--modes", args.modes, bench.SYNC_MODES)
+    return bench.run_sync(args.arch, args.batch_size, args.image_size,
+                          args.devices.split(","), args.steps, args.warmup, args.bucket_mb,
+                          args.compile, args.compile_backend, tuple(modes), save)
 
 
 def loader(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import loader as bench  # noqa: PLC0415
     from app.data.auto_augment import AUTO_AUGMENT  # noqa: PLC0415
     augments = names_in("--auto-augment", args.auto_augment, AUTO_AUGMENT)
-    return bench.run(args.catalog, args.dataset, args.image_size, args.batch_size,
-                     args.workers, args.batches, tuple(args.readers.split(",")),
-                     tuple(args.decoders.split(",")), args.device, not args.no_peer,
-                     tuple(augments))
+    return bench.run_loader(args.catalog, args.dataset, args.image_size, args.batch_size,
+                            args.workers, args.batches, tuple(args.readers.split(",")),
+                            tuple(args.decoders.split(",")), args.device, not args.no_peer,
+                            tuple(augments))
 
 
 def predict(args: argparse.Namespace, save: Callable[[dict], None]):
@@ -292,25 +280,23 @@ def start(args: argparse.Namespace, save: Callable[[dict], None]):
     setup = setup_from(bench.Setup, args)
     rows = bench.rows_for(numbers(args.workers), args.sync.split(","), numbers(args.loaders),
                           args.restart, args.peer)
-    baseline = Path(args.baseline_repo).resolve() if args.baseline_repo else None
-    return bench.run(setup, rows, args.repeats, baseline, save)
+    return bench.run(setup, rows, args.repeats, save)
 
 
 def peers(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import peers as bench  # noqa: PLC0415
-    return bench.run(*peers_run(args, build_parser().error), save, args.deadline)
+    return bench.run(*peers_run(args), save, args.deadline)
 
 
 def gpu_check(args: argparse.Namespace, save: Callable[[dict], None]):
     from app.bench import gpu_check as bench  # noqa: PLC0415
-    options = bench.Options(args.test_processes, args.select, args.dali_threads,
-                            args.dali_batch, args.dali_sample)
     try:
-        parts = bench.chosen(args.parts, args.budget, options)
+        parts = bench.chosen(args.parts, args.budget, setup_from(bench.Options, args))
     except ValueError as error:
         build_parser().error(f"--parts: {error}")
-    if args.list:
-        print(bench.format_plan(parts))
+    if args.list:  # the plan
+        print("\n".join(f"{p.name:<16}{p.deadline_s:>6.0f} s  {p.what}" + (
+            f" ({p.reserved_s:.0f} s reserved)" if p.reserved_s else "") for p in parts))
         return None
     return bench.run(parts, args.budget, Path(args.out), Path(args.work),
                      Path(args.archive) if args.archive else None)

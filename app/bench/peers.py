@@ -6,8 +6,7 @@ row's holder's recipe (peer_fastai.py). Same epochs, batch size, image size and 
 processes; the rest is each trainer's own, as its users run it. The runs are interleaved by
 seed so that a change in the machine's load meets them all. Each run records its command,
 per-epoch top-1, wall and CPU time and, where the trainer says, the images/s of its training
-steps; with `--target`, the time to the end of the first epoch that reaches it (timm's
-summary.csv stamps no epoch: only its last one's is known)."""
+steps."""
 
 from __future__ import annotations
 
@@ -158,30 +157,28 @@ def cpu_precision_flags(train) -> tuple[str, ...]:
     return (*bf16, *(("--channels-last",) if ours.channels_last else ()))
 
 
-# Each trainer's epochs, in order: (top-1, wall-clock time at the epoch's end or None, images
-# trained and the seconds their steps took, or None where the trainer does not say).
-Epoch = tuple[float, float | None, tuple[int, float] | None]
+# Each trainer's epochs, in order: (top-1, images trained and the seconds their steps took, or
+# None where the trainer does not say).
+Epoch = tuple[float, tuple[int, float] | None]
 
 
 def ours_epochs(out: Path, stdout: str) -> list[Epoch]:
     records = [json.loads(line) for line in (out / "peers" / "metrics.jsonl").read_text()
                .splitlines() if '"val/top1"' in line]
-    return [(record["val/top1"], record["time"],
-             (record["train/images"],
-              record["train/images"] / record["train/epoch_images_per_sec"]))
-            for record in records]
+    return [(record["val/top1"], (record["train/images"], record["train/images"]
+                                  / record["train/epoch_images_per_sec"])) for record in records]
 
 
 def printed_epochs(out: Path, stdout: str) -> list[Epoch]:
     """main.py's and fastai's JSON lines (only fastai's say what the training steps took)."""
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"epoch"')]
-    return [(record["top1"], record["time"], (record["train_images"], record["train_s"])
+    return [(record["top1"], (record["train_images"], record["train_s"])
              if "train_s" in record else None) for record in records]
 
 
 def timm_epochs(out: Path, stdout: str) -> list[Epoch]:
     with open(out / "peers" / "summary.csv", newline="") as handle:  # train.py writes percent
-        return [(float(row["eval_top1"]) / 100, None, None) for row in csv.DictReader(handle)]
+        return [(float(row["eval_top1"]) / 100, None) for row in csv.DictReader(handle)]
 
 
 # each trainer's command (setup, seed, its output folder, the photos) and reading of its epochs
@@ -189,17 +186,7 @@ COMMANDS = {"ours": (ours_command, ours_epochs), "examples": (examples_command, 
             "timm": (timm_command, timm_epochs), "fastai": (fastai_command, printed_epochs)}
 
 
-def time_to_target(epochs: list[Epoch], started: float, ended: float,
-                   target: float) -> float | None:
-    for number, (top1, stamp, _) in enumerate(epochs, 1):
-        if top1 >= target:
-            if stamp is None:  # no stamps: known only for the last epoch
-                return ended - started if number == len(epochs) else None
-            return stamp - started
-    return None
-
-
-def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) -> dict:
+def run_one(trainer: str, setup: Setup, seed: int, root: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"peers-{trainer}-") as folder:
         out = Path(folder)
         command, epochs_of = COMMANDS[trainer][0](setup, seed, out, root), COMMANDS[trainer][1]
@@ -212,15 +199,13 @@ def run_one(trainer: str, setup: Setup, seed: int, root: Path, target: float) ->
             raise RuntimeError(f"{trainer} (seed {seed}) failed with exit {done.returncode}: "
                                f"{done.stderr[-3000:]}")
         epochs = epochs_of(out, done.stdout)
-        steps = [step for _, _, step in epochs]
+        steps = [step for _, step in epochs]
         images, seconds = (sum(column) for column in zip(*steps)) if None not in steps \
             else (None, None)
         return {"trainer": trainer, "seed": seed, "top1": epochs[-1][0],
                 "wall_s": ended - started, "cpu_s": children_cpu_s() - cpu_before,
-                "epoch_top1": [top1 for top1, _, _ in epochs], "train_images": images,
+                "epoch_top1": [top1 for top1, _ in epochs], "train_images": images,
                 "train_images_per_s": images / seconds if images is not None else None,
-                "time_to_target_s": time_to_target(epochs, started, ended, target)
-                if target else None,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                 "command": shlex.join(command)}
 
@@ -239,14 +224,14 @@ def expected_s(trainer: str, runs: list[dict]) -> float:
     return max((run["wall_s"] for run in runs), default=0.0) * FIRST_RUN_FACTOR
 
 
-def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
-        save: Callable[[dict], None], deadline_s: float = 0.0) -> dict:
+def run(setup: Setup, trainers: list[str], seeds: list[int], save: Callable[[dict], None],
+        deadline_s: float = 0.0) -> dict:
     """Every run, the report saved after each. Under a deadline (seconds from now; a part of
     gpu-check is told its own) the first trainer's seeds come first, and a run starts only if
     it is expected to end in time: a part killed mid-run would be a failed part."""
     started = time.monotonic()
     root = imagefolder_root(setup)
-    report = {"setup": asdict(setup), "root": str(root), "target": target, "machine": machine(),
+    report = {"setup": asdict(setup), "root": str(root), "machine": machine(),
               "runs": [], "summary": {}, **({"deadline_s": deadline_s, "not_run": []}
                                             if deadline_s else {})}
     order = [(trainer, seed) for trainer in trainers for seed in seeds] if deadline_s else \
@@ -258,7 +243,7 @@ def run(setup: Setup, trainers: list[str], seeds: list[int], target: float,
             report["not_run"].append({"trainer": trainer, "seed": seed, "expected_s": expected,
                                       "left_s": max(0.0, left)})
         else:
-            result = run_one(trainer, setup, seed, root, target)
+            result = run_one(trainer, setup, seed, root)
             print(f"{trainer:9s} seed {seed}: top-1 {result['top1']:.4f}  "
                   f"{result['wall_s']:.0f} s", flush=True)
             report["runs"].append(result)
@@ -282,12 +267,7 @@ def summarise(runs: list[dict], trainers: list[str]) -> dict:
                             if len(top1) > 1 else None,
                             "wall_s_mean": statistics.fmean(run["wall_s"] for run in mine),
                             "train_images_per_s_mean": statistics.fmean(speeds)
-                            if None not in speeds else None,
-                            "runs_at_target": sum(run["time_to_target_s"] is not None
-                                                  for run in mine),
-                            "time_to_target_s_mean": statistics.fmean(
-                                [run["time_to_target_s"] for run in mine
-                                 if run["time_to_target_s"] is not None] or [float("nan")])}
+                            if None not in speeds else None}
     base = summary.get(trainers[0])
     for row in summary.values():
         row["wall_vs_first"] = row["wall_s_mean"] / base["wall_s_mean"] if base else None

@@ -62,24 +62,21 @@ def model(f: dict) -> list[str]:
         lines += ["", *columns(steps, "label=step|images_per_s=images/s|step_ms=step ms|"
                                "step_vs_plain=vs the first setting's")]
     if sizes:
-        kind = sizes["results"][0]["optimizer_step"]
-        lines += ["", f"by batch, image size and optimizer step ({sizes['setting']}):", "",
-                  *columns(sizes["results"], "batch_size=batch|image_size=size|optimizer_step="
-                           "step|images_per_s=images/s|step_ms=step ms|speed_vs_largest=vs "
-                           f"largest|pixels_vs_largest=pixels ratio|speed_vs_first_step=vs {kind}")]
+        lines += ["", f"by image size ({sizes['setting']}):", "", *columns(
+            sizes["results"], "image_size=size|images_per_s=images/s|step_ms=step ms|"
+            "speed_vs_largest=vs largest|pixels_vs_largest=pixels ratio")]
     return lines
 
 
 def loader(f: dict) -> list[str]:
-    return [f"loader only (read + decode + augment, batches on {f['device']}), batch "
-            f"{f['batch_size']}, {f['workers']} loader processes, {f['image_size']} px, "
-            f"{f['batches']} batches; the reader alone: client CPU per GET, no cache", "",
+    return [f"loader only, batches on {f['device']}: batch {f['batch_size']}, -j {f['workers']}, "
+            f"{f['image_size']} px, {f['batches']} batches; the reader alone: no cache", "",
             *columns(([f["peer"]] if f["peer"] else []) + f["results"],
                      "dataset=dataset|reader=reader|decoder=decoder|auto_augment=augment|"
                      "images_per_s=images/s|ratio_to_peer=vs peer|ratio_to_first=vs first|"
                      "ratio_to_plain=vs plain|cpu_cores=cores|cpu_ms_per_image=CPU ms/img|"
                      "gets_per_s=GETs/s|cpu_ms_per_get=CPU ms/GET|cpu_per_get_vs_baseline="
-                     "vs base|first_batch_s=1st batch s")]
+                     "vs base|first_step_s=1st batch s")]
 
 
 def sync(f: dict) -> list[str]:
@@ -94,7 +91,7 @@ def sync(f: dict) -> list[str]:
 def start_row(row: dict) -> tuple:
     def spread(key: str) -> str:
         return "-".join(f"{f(run[key] for run in row['runs']):.1f}" for f in (min, max))
-    return (row["label"], row["version"], f"{row['median_cpu_s']:.1f} ({spread('cpu_s')})",
+    return (row["label"], f"{row['median_cpu_s']:.1f} ({spread('cpu_s')})",
             f"{row['median_first_step_s']:.1f} ({spread('first_step_s')})",
             f"{row['median_wall_s']:.1f}")
 
@@ -102,14 +99,13 @@ def start_row(row: dict) -> tuple:
 def start(f: dict) -> list[str]:
     s = f["setup"]
     return [f"start: {s['dataset']}, -a {s['arch']}, {s['image_size']} px, -b {s['batch_size']} "
-            f"per worker, {s['epochs']} epoch(s); the machine's CPU seconds from /proc/stat, "
-            "medians (min-max); restart rows: from the kill", "",
-            *table("run|checkout|CPU s|first step s|wall s", map(start_row, f["rows"]))]
+            f"per worker, {s['epochs']} epoch(s); medians (min-max); restarts from the kill", "",
+            *table("run|machine CPU s|first step s|wall s", map(start_row, f["rows"]))]
 
 
 def peers(f: dict) -> list[str]:
     """Each trainer over its seeds, then each run; the runs left out for want of time."""
-    s, target = f["setup"], f["target"]
+    s = f["setup"]
     lines = [f"{s['arch']}" + (f" (peers: {s['peer_arch']})" if s.get("peer_arch") else "")
              + f", {s['image_size']} px, {s['epochs']} epochs, batch {s['batch_size']}, -j "
              f"{s['workers']}, {f['root']}; the peers' recipes: " + (
@@ -118,13 +114,11 @@ def peers(f: dict) -> list[str]:
              *columns(({"trainer": name, **row} for name, row in f["summary"].items()),
                       "trainer=trainer|seeds=seeds|top1_mean=top-1 mean|top1_min=min|top1_max="
                       "max|wall_s_mean=wall s|wall_vs_first=wall vs first|train_images_per_s_"
-                      "mean=train img/s" + ("|runs_at_target=runs at target|time_to_target_s_"
-                                            "mean=time to it s" if target else "")), ""]
-    lines += table(f"trainer|seed|top-1 after epoch {s['epochs']}|wall|time to {target}", (
+                      "mean=train img/s"), ""]
+    lines += table(f"trainer|seed|top-1 after epoch {s['epochs']}|wall", (
         (r["trainer"], r["seed"], f"{r['top1']:.4f}" + (
             "" if len(r["epoch_top1"]) == s["epochs"] else
-            f" (after {len(r['epoch_top1'])} epochs)"), f"{r['wall_s']:.0f} s",
-         "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s")
+            f" (after {len(r['epoch_top1'])} epochs)"), f"{r['wall_s']:.0f} s")
         for r in f["runs"]))
     return lines + [f"- not run, it would not end within the part's deadline: {r['trainer']} "
                     f"seed {r['seed']} (~{r['expected_s']:.0f} s, {r['left_s']:.0f} s left)"
@@ -136,8 +130,7 @@ def predict(f: dict) -> list[str]:
             f"{f['batch_size']}, CPU ({f['torch_threads']} torch threads), best of "
             f"{f['repeats']}", "", *columns(f["results"], "runtime=runtime|model_images_per_s="
                                               "model img/s|e2e_images_per_s=end to end img/s"),
-            "",
-            f"logits differ by at most {f['max_logit_difference']:.2e}; top-1 agrees on "
+            "", f"logits differ by at most {f['max_logit_difference']:.2e}; top-1 agrees on "
             f"{f['top1_agreement']:.1%} of the images"]
 
 

@@ -1,8 +1,7 @@
 """`bin/bench.py start`: what starting a run costs: the whole machine's CPU seconds (/proc/stat:
 every process counts however it was started, so the machine should be otherwise idle) and the
 wall time from the command to the first optimizer step; the same after a killed worker
-(`--max-restarts`), and for pytorch/examples' main.py recipe (peer_examples.py). Another
-checkout (`--baseline-repo`) is measured in the same run, each of its rows right after ours."""
+(`--max-restarts`), and for pytorch/examples' main.py recipe (peer_examples.py)."""
 
 from __future__ import annotations
 
@@ -58,9 +57,9 @@ def machine_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / TICKS
 
 
-def driver_command(setup: Setup, row: Row, repo: Path, out: Path) -> list[str]:
-    return [sys.executable, str(repo / "bin" / "driver.py"), "--catalog",
-            str(repo / "datasets.toml"), "--dataset", setup.dataset,
+def driver_command(setup: Setup, row: Row, out: Path) -> list[str]:
+    return [sys.executable, str(REPO / "bin" / "driver.py"), "--catalog",
+            str(REPO / "datasets.toml"), "--dataset", setup.dataset,
             "-a", setup.arch, "--image-size", str(setup.image_size),
             "-b", str(setup.batch_size), "--epochs", str(setup.epochs), "-p", "1",
             "-j", str(row.loaders), "--devices", ",".join([setup.device] * row.workers),
@@ -78,31 +77,31 @@ def first_train_time(metrics: Path, after: float = 0.0) -> float | None:
     return None
 
 
-def timed_run(command: list[str], cwd: str | Path, row: Row) -> tuple[str, float, float, float]:
-    """(stdout, start time, wall s, the machine's CPU s) of a command that must succeed."""
+def timed_run(command: list[str], cwd: str | Path, row: Row,
+              first_step: Callable[[str], float]) -> dict:
+    """The machine's CPU s, wall s and the time to the first step (`first_step`: its
+    wall-clock time, from the stdout) of a command that must succeed."""
     cpu, started = machine_cpu_seconds(), time.time()
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
     wall, cpu = time.time() - started, machine_cpu_seconds() - cpu
     if done.returncode:
         raise RuntimeError(f"{row.label()} failed: {done.stderr[-2000:]}")
-    return done.stdout, started, wall, cpu
+    return {"cpu_s": cpu, "first_step_s": first_step(done.stdout) - started, "wall_s": wall}
 
 
-def measure_ours(setup: Setup, row: Row, repo: Path) -> dict:
+def measure_ours(setup: Setup, row: Row) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        _, started, wall, cpu = timed_run(driver_command(setup, row, repo, Path(folder)),
-                                          folder, row)
-        first = first_train_time(Path(folder) / "start" / "metrics.jsonl")
-    return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+        return timed_run(driver_command(setup, row, Path(folder)), folder, row,
+                         lambda _: first_train_time(Path(folder) / "start" / "metrics.jsonl"))
 
 
-def measure_restart(setup: Setup, row: Row, repo: Path) -> dict:
+def measure_restart(setup: Setup, row: Row) -> dict:
     """SIGKILL to worker 1 once the first step is logged; from the kill to the first step of
     the group started again (--max-restarts 1): wall time and the machine's CPU seconds."""
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "start" / "metrics.jsonl"
-        process = subprocess.Popen([*driver_command(setup, row, repo, Path(folder)),
+        process = subprocess.Popen([*driver_command(setup, row, Path(folder)),
                                     "--max-restarts", "1"], cwd=folder, text=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    start_new_session=True)
@@ -148,10 +147,9 @@ def measure_peer(setup: Setup, row: Row, imagefolder: Path) -> dict:
                    "-b", str(setup.batch_size * row.workers), "--epochs", str(setup.epochs),
                    "--image-size", str(setup.image_size), "--world", str(row.workers),
                    "--dist-url", f"tcp://127.0.0.1:{free_port()}", "--out", folder]
-        stdout, started, wall, cpu = timed_run(command, REPO, row)
-    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    first = next(record["first_step_time"] for record in records if "first_step_time" in record)
-    return {"cpu_s": cpu, "first_step_s": first - started, "wall_s": wall}
+        return timed_run(command, REPO, row, lambda stdout: next(
+            json.loads(line)["first_step_time"] for line in stdout.splitlines()
+            if line.startswith('{"first_step_time"')))
 
 
 def rows_for(workers: list[int], syncs: list[str], loaders: list[int], restart: bool,
@@ -167,30 +165,19 @@ def rows_for(workers: list[int], syncs: list[str], loaders: list[int], restart: 
     return rows
 
 
-def run(setup: Setup, rows: list[Row], repeats: int, baseline: Path | None,
-        save: Callable[[dict], None]) -> dict:
+def run(setup: Setup, rows: list[Row], repeats: int, save: Callable[[dict], None]) -> dict:
     from app.catalog import Catalog, sample  # noqa: PLC0415 (no torch)
     Catalog.load(str(REPO / "datasets.toml")).open(setup.dataset)  # generated before timing
     imagefolder = sample.ensure(sample.default_cache_dir(), "tiny", 0, layout="imagefolder") \
         if any(row.kind == "peer" for row in rows) else None
-    versions = {"this": REPO, **({"baseline": baseline} if baseline else {})}
-    report: dict = {"setup": asdict(setup), "repos": {k: str(v) for k, v in versions.items()},
-                    "date": time.strftime("%Y-%m-%d"), "rows": []}
+    report: dict = {"setup": asdict(setup), "date": time.strftime("%Y-%m-%d"), "rows": []}
     for row in rows:
-        for version, repo in versions.items():
-            if row.kind == "peer" and version != "this":
-                continue
-            runs = [measure(setup, row, repo, imagefolder) for _ in range(repeats)]
-            medians = {f"median_{key}": statistics.median(run[key] for run in runs)
-                       for key in ("cpu_s", "first_step_s", "wall_s")}
-            report["rows"].append({**asdict(row), "label": row.label(), "version": version,
-                                   "runs": runs, **medians})
-            save(report)
-            print(*start_row(report["rows"][-1]), sep="  ", file=sys.stderr, flush=True)
+        runs = [measure_peer(setup, row, imagefolder) if row.kind == "peer" else
+                (measure_restart if row.kind == "restart" else measure_ours)(setup, row)
+                for _ in range(repeats)]
+        medians = {f"median_{key}": statistics.median(run[key] for run in runs)
+                   for key in ("cpu_s", "first_step_s", "wall_s")}
+        report["rows"].append({**asdict(row), "label": row.label(), "runs": runs, **medians})
+        save(report)
+        print(*start_row(report["rows"][-1]), sep="  ", file=sys.stderr, flush=True)
     return report
-
-
-def measure(setup: Setup, row: Row, repo: Path, imagefolder: Path | None) -> dict:
-    if row.kind == "peer":
-        return measure_peer(setup, row, imagefolder)
-    return (measure_restart if row.kind == "restart" else measure_ours)(setup, row, repo)

@@ -46,7 +46,7 @@ class Precision:
     def fused_step(self) -> bool:
         """Whether SGD and AdamW step as one fused kernel: on CUDA, and under fp16 loss scaling
         anywhere, where the fused step takes the overflow check as a tensor and skips on the device
-        instead of asking the host (`bin/bench.py model --optimizer-steps foreach,fused`)."""
+        instead of asking the host."""
         return self.device.type == "cuda" or self.autocast_dtype is torch.float16
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
