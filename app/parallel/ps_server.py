@@ -12,7 +12,6 @@ import dataclasses
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from multiprocessing.queues import Queue
 from typing import Any
 
 import numpy as np
