@@ -252,17 +252,21 @@ spec:
 def test_the_readmes_demo_runs_as_make_demo_runs_it_and_ends_as_the_readme_shows(
         sample_cache, tmp_path):
     """`make demo`'s command (read from `make -n demo`, so README, Makefile and test cannot
-    drift), run as written: its last line has the shape of the README's, and it learned the
-    generated sample (10 classes: chance is 10%) as the README says."""
+    drift), run as written but for one epoch of its four (its schedule in one epoch: a quarter
+    of the cost; the four epochs' figure is docs/results.md's): its last line has the shape of
+    the README's, and it learned the generated sample (10 classes: chance is 10%)."""
     made = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.splitlines()
     words = shlex.split(next(line for line in made if "bin/driver.py" in line))
     assert words[1:] == ["bin/driver.py", "--config", "configs/demo.toml"], words
-    last = re.compile(r"epoch 4/4  train loss \d\.\d{4}  val top-1 (\d\.\d{4})  top-5 \d\.\d{4}  "
-                      r"loss \d\.\d{4}  time \d+\.\ds  skipped 0 images")
-    readme = (REPO / "README.md").read_text()
-    assert last.search(readme) and float(last.search(readme)[1]) >= 0.9
-    result = run_driver("--config", str(REPO / "configs" / "demo.toml"), cwd=tmp_path)
+    def last(epochs: int) -> re.Pattern:
+        return re.compile(rf"epoch {epochs}/{epochs}  train loss \d\.\d{{4}}  val top-1 "
+                          r"(\d\.\d{4})  top-5 \d\.\d{4}  loss \d\.\d{4}  time \d+\.\ds  "
+                          r"skipped 0 images")
+    readme = last(4).search((REPO / "README.md").read_text())
+    assert readme and float(readme[1]) >= 0.9
+    result = run_driver("--config", str(REPO / "configs" / "demo.toml"), "--epochs", "1",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    ended = last.fullmatch(result.stdout.strip().splitlines()[-1])
-    assert ended and float(ended[1]) >= 0.9, result.stdout[-2000:]
+    ended = last(1).fullmatch(result.stdout.strip().splitlines()[-1])
+    assert ended and float(ended[1]) >= 0.8, result.stdout[-2000:]
