@@ -42,6 +42,7 @@ def checkpointed_point(step: int) -> int:
 class Action:
     save: bool = False
     stop: bool = False  # at a trained point: save first (a stop's checkpoint)
+    ended: bool = False  # the driver ended the group: stop without saving (threads go on)
 
 
 class Requests(Protocol):
@@ -89,6 +90,7 @@ class SharedRequests:
         self.points = context.RawArray("q", [NOT_STARTED] * world_size)
         self.save_at = context.RawValue("q", NOT_STARTED)
         self.stop_at = context.RawValue("q", NOT_STARTED)
+        self.ended = context.RawValue("b", 0)  # a stop found nothing new: no point saves
 
     # --- driver side ---
     def ask(self, stop: bool) -> int | None:
@@ -105,7 +107,8 @@ class SharedRequests:
             if stop:
                 if self.stop_at.value == NOT_STARTED:
                     self.stop_at.value = target  # late workers stop at their first point
-                return None if nothing_new else self.stop_at.value // 2
+                self.ended.value = self.ended.value or nothing_new
+                return None if self.ended.value else self.stop_at.value // 2
             if nothing_new or self.save_at.value > min(points) or \
                     self.stop_at.value != NOT_STARTED:
                 return None
@@ -127,6 +130,8 @@ class SharedRequests:
         with self.lock:
             previous, self.points[rank] = self.points[rank], point
             save_at, stop_at = self.save_at.value, self.stop_at.value
+            if self.ended.value:
+                return Action(stop=True, ended=True)
         return Action(save=save_at != NOT_STARTED and previous < save_at <= point,
                       stop=stop_at != NOT_STARTED and previous < stop_at <= point)
 

@@ -213,6 +213,8 @@ class Trainer:
                 self.log_interval(lr, self.pace.end_interval())
             moment(f"worker:step-{self.position.step}")
             action = self.requests.poll(self.env.rank, self.position.step)
+            if action.ended:  # the last whole checkpoint stands, as the driver said
+                return False
             if action.save or action.stop:  # a trained point: the save holds this step
                 self.save()
                 if action.stop or self.requests.checkpointed(self.env.rank,
