@@ -138,8 +138,10 @@ def test_a_stop_at_any_moment_ends_with_75_and_loses_no_saved_step(
     # each evaluated epoch recorded once; an epoch saved unevaluated is not among them
     evaluated = last["epoch"]
     assert epochs_recorded(run_dir) == list(range(1, evaluated + 1)), stderr
-    if steps == EVALUATED_LEFT_OFF:
-        assert (last["epoch"], last["epoch_step"]) == (1, 10)  # epoch 2 trained, unevaluated
+    if steps == EVALUATED_LEFT_OFF:  # epoch 2 trained, unevaluated; threads: or evaluated
+        # before the held driver's thread took the stop (the record above agrees either way)
+        assert (last["epoch"], last["epoch_step"]) in \
+            ({(1, 10), (2, 0)} if mode == "threads" else {(1, 10)})
 
 
 def test_torchruns_agent_passing_a_stop_on_while_the_ranks_resume_ends_each_with_75(
