@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from app.catalog import versions
+import app.catalog.versions as versions
 from app.catalog.retry import DENIED, INVALID, MISSING, STATUS, failure, request_errors
 from app.catalog.storage import Location, scheme_of, url_folder
 from app.catalog.versions import Version
