@@ -13,6 +13,7 @@ import os
 import resource
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -221,13 +222,13 @@ def worker_pids(stderr_text: str) -> dict[str, int]:
     return {part.rsplit(" pid ", 1)[0]: int(part.rsplit(" pid ", 1)[1]) for part in parts}
 
 
-def read_line_with(process, text: str) -> str:
-    """The driver's stderr up to the first line containing `text` (or its end)."""
+def read_line_with(process, *texts: str) -> str:
+    """The driver's stderr up to the first line containing one of `texts` (or its end)."""
     lines = []
     while True:
         line = process.stderr.readline()
         lines.append(line)
-        if text in line or not line:
+        if any(text in line for text in texts) or not line:
             return "".join(lines)
 
 
@@ -276,15 +277,31 @@ def held_pid(process, folder: Path, moment: str, timeout: float = 120) -> int:
     """The pid of the process of `process`'s run that stopped at `moment`
     (app/runtime/moments.py: IMAGENET_DP_PAUSE_AT), once it is stopped; fails if the driver
     ends first or none gets there within `timeout` seconds."""
+    return held_pids(process, folder, moment, 1, timeout)[0]
+
+
+def held_pids(process, folder: Path, moment: str, count: int, timeout: float = 120
+              ) -> list[int]:
+    """The pids of `count` processes held at `moment` (`moment*` in IMAGENET_DP_PAUSE_AT holds
+    every process that gets there), each stopped, or, for a thread, waiting to be released."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        held = [p for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()]
-        if held and is_stopped(int(held[0].suffix[1:])):
-            return int(held[0].suffix[1:])
+        held = [int(p.suffix[1:]) for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()
+                and (p.read_text() == "thread" or is_stopped(int(p.suffix[1:])))]
+        if len(held) >= count:
+            return sorted(held)
         assert process.poll() is None, process.stderr.read()
         time.sleep(0.05)
     process.kill()
-    raise AssertionError(f"no process reached {moment}")
+    raise AssertionError(f"not {count} processes reached {moment}")
+
+
+def release(folder: Path, moment: str, pid: int) -> None:
+    """Lets the process (or the thread of it) held at `moment` go on; one ended meanwhile (the
+    driver ended it) is left."""
+    (folder / f"{moment}.{pid}.go").touch()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def is_stopped(pid: int) -> bool:

@@ -5,9 +5,11 @@ checkpoint that stands, and the record holds each evaluated epoch once.
 
 Each cell is a real driver run (resumed from a 1-epoch checkpoint, so that "the last
 checkpoint stands" can be seen) held at its moment (app/runtime/moments.py): the stop signal is
-sent while the process that reached the moment is held, then it goes on. No cell waits on
-timing: where a race of the workers decides between two outcomes (a worker held after its
-step, its peer before or after reporting its own), both are allowed and each is checked whole.
+sent while the process (or the replica thread) that reached the moment is held, and it is let
+go once the driver has said what it does with the stop (its first line about it), or at once
+where the held process is the driver itself. No cell waits on timing: where a race of the
+workers decides between two outcomes (a worker held after its step, its peer before or after
+reporting its own), both are allowed and each is checked whole.
 
 Moments x modes x senders as a covering set: every moment in the modes where it differs (the
 driver's own start is the same for all; restarts exist for processes only), every mode and
@@ -22,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,8 @@ from app.parallel.plans import free_port
 from app.runtime import moments
 from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
-from conftest import REPO, TINY_TRAIN_FLAGS, held_pid, run_driver
+from conftest import (REPO, TINY_TRAIN_FLAGS, held_pid, held_pids, read_line_with, release,
+                      run_driver)
 from test_remote_output import as_checkpoint, bucket_files, new_bucket
 
 BASE_STEPS = 10  # the resumed checkpoint: epoch 1 of 320 images at 2 x 16
@@ -78,20 +82,18 @@ def base(tmp_path_factory) -> Path:
 
 
 def held_run(tmp_path: Path, base: Path, moment: str, flags: tuple[str, ...],
-             command: list[str] | None = None, env: dict | None = None):
-    """The base run resumed for 3 epochs, its first process at `moment` held there: (driver
-    process, the held pid)."""
+             command: list[str] | None = None):
+    """The base run resumed for 3 epochs, its first process (or replica thread) at `moment`
+    held there (`moment*`: every process): the driver process."""
     shutil.copytree(base, tmp_path / "runs" / "r")
-    folder = tmp_path / "moments"
-    folder.mkdir()
-    process = subprocess.Popen(
+    (tmp_path / "moments").mkdir()
+    return subprocess.Popen(
         command or [sys.executable, str(REPO / "bin" / "driver.py"), *RUN, "--epochs", "3",
                     "--run-name", "r", "--resume", "auto", *flags],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {}), moments.PAUSE_AT: moment,
-             moments.PAUSE_DIR: str(folder)},
+        env={**os.environ, moments.PAUSE_AT: moment,
+             moments.PAUSE_DIR: str(tmp_path / "moments")},
         start_new_session=True)  # a job's group: the senders to the group reach only it
-    return process, held_pid(process, folder, moment)
 
 
 def send(process, sender: str) -> None:
@@ -107,19 +109,27 @@ def epochs_recorded(run_dir: Path) -> list[int]:
     return [row["epoch"] for row in rows if "val/top1" in row]
 
 
+def stopped_at(tmp_path: Path, process, moment: str, sender: str) -> tuple[int, str]:
+    """Sends the stop while `process`'s run is held at `moment`; lets the held one go once the
+    driver has taken the stop (its first line about it), at once where the driver is the one
+    held. (exit code, stderr)."""
+    folder = tmp_path / "moments"
+    held = held_pid(process, folder, moment)
+    driver_held = held == process.pid and (folder / f"{moment}.{held}").read_text() != "thread"
+    send(process, sender)
+    taken = ""
+    if not driver_held:  # the driver takes the stop first: it saves next, or ends all now
+        taken = read_line_with(process, ": saving a checkpoint of the step", "stopped by")
+    release(folder, moment, held)
+    return process.wait(timeout=180), taken + process.stderr.read()
+
+
 @pytest.mark.parametrize("moment, mode, sender, loaders, steps", CELLS,
                          ids=[f"{m}-{mode}-{s}" for m, mode, s, _, _ in CELLS])
 def test_a_stop_at_any_moment_ends_with_75_and_loses_no_saved_step(
         tmp_path, base, moment, mode, sender, loaders, steps):
-    if mode == "threads" and steps in (AFTER_STEP_11, AFTER_STEP_14, AT_THE_SAVE):
-        # the driver's thread is held with the replicas: its handler runs when the scheduler
-        # next runs it, and the replicas may train on until then; the stop still saves the
-        # step it names and loses none (the asserts below)
-        steps = set(range(min(steps), 3 * BASE_STEPS + 1))
-    process, held = held_run(tmp_path, base, moment, (*MODES[mode], "-j", str(loaders)))
-    send(process, sender)
-    os.kill(held, signal.SIGCONT)
-    code, stderr = process.wait(timeout=180), process.stderr.read()
+    process = held_run(tmp_path, base, moment, (*MODES[mode], "-j", str(loaders)))
+    code, stderr = stopped_at(tmp_path, process, moment, sender)
     assert code == PREEMPTED_EXIT_CODE, stderr
     assert "Traceback" not in stderr, stderr
     run_dir = tmp_path / "runs" / "r"
@@ -138,31 +148,47 @@ def test_a_stop_at_any_moment_ends_with_75_and_loses_no_saved_step(
     # each evaluated epoch recorded once; an epoch saved unevaluated is not among them
     evaluated = last["epoch"]
     assert epochs_recorded(run_dir) == list(range(1, evaluated + 1)), stderr
-    if steps == EVALUATED_LEFT_OFF:  # epoch 2 trained, unevaluated; threads: or evaluated
-        # before the held driver's thread took the stop (the record above agrees either way)
-        assert (last["epoch"], last["epoch_step"]) in \
-            ({(1, 10), (2, 0)} if mode == "threads" else {(1, 10)})
+    if steps == EVALUATED_LEFT_OFF:  # epoch 2 trained, unevaluated
+        assert (last["epoch"], last["epoch_step"]) == (1, 10)
+
+
+# one rank's command, the base run resumed (a launcher gives each rank its variables)
+RANK_ARGS = (str(REPO / "bin" / "driver.py"), *RUN, "--epochs", "3", "--run-name", "r",
+             "--resume", "auto", "--sync", "allreduce", "--device", "cpu")
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits to be delivered to the (stopped) process `pid`."""
+    with open(f"/proc/{pid}/status") as handle:
+        masks = [int(line.split()[1], 16) for line in handle
+                 if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signum - 1) & 1 for mask in masks)
+
+
+def wait_until_pending(pids: list[int], signum: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(signal_pending(pid, signum) for pid in pids):
+        assert time.monotonic() < deadline, f"{signal.Signals(signum).name} never reached {pids}"
+        time.sleep(0.05)
 
 
 def test_torchruns_agent_passing_a_stop_on_while_the_ranks_resume_ends_each_with_75(
         tmp_path, base):
     """Under torchrun each rank takes the signal itself from its first line: the agent's
-    SIGTERM, passed on while one rank is held as it loads the checkpoint, ends both ranks at
-    once with 75 (no step trained since it), the checkpoint standing."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-               str(free_port()), str(REPO / "bin" / "driver.py"), *RUN, "--epochs", "3",
-               "--run-name", "r", "--resume", "auto", "--sync", "allreduce", "--device", "cpu"]
-    process, held = held_run(tmp_path, base, "worker:resuming", (), command)
+    SIGTERM, passed on while both ranks are held as they load the checkpoint, ends each at once
+    with 75 (no step trained since it), the checkpoint standing."""
+    process = held_run(tmp_path, base, "worker:resuming*", (), [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+        "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *RANK_ARGS])
+    ranks = held_pids(process, tmp_path / "moments", "worker:resuming", 2)
     os.kill(process.pid, signal.SIGTERM)  # the agent alone: it passes the signal on
-    os.kill(held, signal.SIGCONT)
+    wait_until_pending(ranks, signal.SIGTERM)
+    for pid in ranks:
+        release(tmp_path / "moments", "worker:resuming", pid)
     process.wait(timeout=180)  # the agent's own code and traceback (SignalException) are its
     stderr = process.stderr.read()
-    # each rank stops at once; the held rank may meet its peer's closed connection before its
-    # own handler runs and say "lost a peer" instead (a known race of the message: what stands
-    # is asserted below)
-    assert stderr.count("stopped by SIGTERM at once") + stderr.count("lost a peer") == 2, stderr
-    assert "stopped by SIGTERM at once" in stderr, stderr
+    assert stderr.count("stopped by SIGTERM at once") == 2, stderr
+    assert "lost a peer" not in stderr, stderr
     assert str(REPO / "app") not in stderr and "bin/driver.py\", line" not in stderr, stderr
     run_dir = tmp_path / "runs" / "r"
     assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] == BASE_STEPS
@@ -173,10 +199,9 @@ def test_torchruns_agent_passing_a_stop_on_while_the_ranks_resume_ends_each_with
 def test_a_stop_left_off_evaluation_resumes_by_evaluating_that_epoch_once(tmp_path, base):
     """The stop that left an evaluation off saved the epoch's steps; the resume trains nothing
     of that epoch again, evaluates it once and goes on."""
-    process, held = held_run(tmp_path, base, "worker:evaluating", MODES["ps"])
-    send(process, "group SIGTERM")
-    os.kill(held, signal.SIGCONT)
-    assert process.wait(timeout=180) == PREEMPTED_EXIT_CODE, process.stderr.read()
+    process = held_run(tmp_path, base, "worker:evaluating", MODES["ps"])
+    code, stderr = stopped_at(tmp_path, process, "worker:evaluating", "group SIGTERM")
+    assert code == PREEMPTED_EXIT_CODE, stderr
     resumed = run_driver(*RUN, *MODES["ps"], "--epochs", "3", "--run-name", "r", "--resume",
                          "auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr

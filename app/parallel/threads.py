@@ -144,8 +144,9 @@ def watch_group(group: ThreadGroup, abort: Abort, loop: StopLoop,
         if failure and not abort.is_set():
             abort.set(f"stopped: {failure.name} failed")
         why = loop.tick() if not abort.is_set() else None
-        if why:
+        if why:  # said now: the replicas end at their next wait or point
             abort.set(loop.ended(why, f"all {len(group.members)} threads"))
+            print(abort.reason, file=sys.stderr)
         if abort.is_set():
             now = time.monotonic()
             aborted_at = aborted_at or now
@@ -165,8 +166,6 @@ def outcome(group: ThreadGroup, loop: StopLoop, abort: Abort) -> int:
         print(f"{failure.name} failed while the run stopped: "
               f"{first_line(failure.error, 300, with_type=True)}", file=sys.stderr)
     if stopped:
-        if abort.is_set() and abort.reason.startswith("stopped by"):
-            print(abort.reason, file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     if failure:
         raise_in_caller(failure)

@@ -2,8 +2,10 @@
 there, or read what it has imported by then; without these variables a moment costs one lookup:
 
 - IMAGENET_DP_PAUSE_AT=NAME[,NAME...] and IMAGENET_DP_PAUSE_DIR=FOLDER: the first process of a
-  run to reach NAME writes FOLDER/NAME.PID and stops itself (SIGSTOP); the test then kills it,
-  or lets it go on (SIGCONT).
+  run to reach NAME (every process, for NAME*) writes FOLDER/NAME.PID and stops itself
+  (SIGSTOP); the test then kills it, or lets it go on (SIGCONT). A thread other than the main
+  one holds alone (the file says "thread"), so that its driver's thread still takes signals,
+  until FOLDER/NAME.PID.go appears.
 - IMAGENET_DP_IMPORTS_DIR=FOLDER: at each moment the process writes the packages outside the
   standard library it has imported to FOLDER/NAME.PID.imports (tests/test_imports.py).
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 
 PAUSE_AT = "IMAGENET_DP_PAUSE_AT"
 PAUSE_DIR = "IMAGENET_DP_PAUSE_DIR"
@@ -31,19 +35,26 @@ def moment(name: str) -> None:
     if IMPORTS_DIR in os.environ:
         record_imports(name, os.environ[IMPORTS_DIR])
     wanted = os.environ.get(PAUSE_AT)
-    if wanted and name in wanted.split(","):
-        pause(name, os.environ[PAUSE_DIR])
+    if wanted and {name, f"{name}*"} & set(wanted.split(",")):
+        pause(name, os.environ[PAUSE_DIR], every=f"{name}*" in wanted.split(","))
 
 
-def pause(name: str, folder: str) -> None:
+def pause(name: str, folder: str, every: bool) -> None:
     try:  # the first process to get here pauses; the rest go on
         os.close(os.open(os.path.join(folder, f"{name}.claimed"),
                          os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        return
-    with open(os.path.join(folder, f"{name}.{os.getpid()}"), "w"):
-        pass
-    os.kill(os.getpid(), signal.SIGSTOP)
+        if not every:
+            return
+    held = os.path.join(folder, f"{name}.{os.getpid()}")
+    in_thread = threading.current_thread() is not threading.main_thread()
+    with open(held, "w") as handle:
+        handle.write("thread" if in_thread else "")
+    if not in_thread:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    deadline = time.monotonic() + 600  # a test that never releases it fails, then this goes on
+    while in_thread and not os.path.exists(f"{held}.go") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def record_imports(name: str, folder: str) -> None:
