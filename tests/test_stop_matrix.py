@@ -196,6 +196,37 @@ def test_torchruns_agent_passing_a_stop_on_while_the_ranks_resume_ends_each_with
     assert epochs_recorded(run_dir) == [1]
 
 
+def test_a_rank_holding_a_stop_that_loses_its_peer_reports_the_stop_with_75(tmp_path, base):
+    """Two ranks as a launcher starts them (its variables), both held after step 12; rank 0
+    takes a SIGTERM (it would save at its next point, agreed with its peer) and rank 1 dies
+    first: rank 0's collective fails, and it says the stop, not a failure, with 75; the
+    resumed checkpoint stands."""
+    shutil.copytree(base, tmp_path / "runs" / "r")
+    folder = tmp_path / "moments"
+    folder.mkdir()
+    port = str(free_port())
+    ranks = [subprocess.Popen(
+        [sys.executable, *RANK_ARGS], cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             moments.PAUSE_AT: "worker:step-12*", moments.PAUSE_DIR: str(folder)})
+        for rank in (0, 1)]
+    held_pids(ranks[0], folder, "worker:step-12", 2)
+    os.kill(ranks[0].pid, signal.SIGTERM)
+    wait_until_pending([ranks[0].pid], signal.SIGTERM)
+    ranks[1].kill()
+    ranks[1].wait(timeout=60)
+    release(folder, "worker:step-12", ranks[0].pid)
+    code, stderr = ranks[0].wait(timeout=120), ranks[0].stderr.read()
+    assert code == PREEMPTED_EXIT_CODE, stderr
+    assert "stopped by SIGTERM at once: lost a peer" in stderr, stderr
+    assert "error:" not in stderr and "Traceback" not in stderr, stderr
+    assert checkpoint.load(tmp_path / "runs" / "r" / "checkpoints" / "last.pt")["step"] == \
+        BASE_STEPS
+    assert f"saved runs/r/checkpoints/last.pt after step {BASE_STEPS} " in stderr, stderr
+
+
 def test_a_stop_left_off_evaluation_resumes_by_evaluating_that_epoch_once(tmp_path, base):
     """The stop that left an evaluation off saved the epoch's steps; the resume trains nothing
     of that epoch again, evaluates it once and goes on."""

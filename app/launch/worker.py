@@ -93,8 +93,12 @@ def launched_process(job: TrainJob, launch: LaunchEnv, device: str) -> int:
                                                      launch.init_method),
                              cpu_workers=launch.local_world_size)
     except SyncFailure as failure:  # the launcher names the rank that died; this one lost it
-        print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
-        return 1
+        if not ((signals := stop_signals()) and signals.received):
+            print(f"error: rank {env.rank}: {failure}", file=sys.stderr)
+            return 1
+        # stopped on request: its peers, asked too, may have ended first
+        print(f"stopped by {signals.name()} at once: {failure}", file=sys.stderr)
+        code = PREEMPTED_EXIT_CODE
     if code == PREEMPTED_EXIT_CODE and launch.launcher == "mpirun" and env.rank:
         # mpirun ends the whole job when a rank exits non-zero: rank 0, which has the
         # checkpoint by now, says 75 for all, after printing how to continue
