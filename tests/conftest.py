@@ -286,14 +286,19 @@ def held_pids(process, folder: Path, moment: str, count: int, timeout: float = 1
     every process that gets there), each stopped, or, for a thread, waiting to be released."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        held = [int(p.suffix[1:]) for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()
-                and (p.read_text() == "thread" or is_stopped(int(p.suffix[1:])))]
+        pids = [int(p.suffix[1:]) for p in folder.glob(f"{moment}.*") if p.suffix[1:].isdigit()]
+        held = [pid for pid in pids if held_in_thread(folder, moment, pid) or is_stopped(pid)]
         if len(held) >= count:
             return sorted(held)
         assert process.poll() is None, process.stderr.read()
         time.sleep(0.05)
     process.kill()
     raise AssertionError(f"not {count} processes reached {moment}")
+
+
+def held_in_thread(folder: Path, moment: str, pid: int) -> bool:
+    """Whether a thread of `pid` holds at `moment`, not the whole process (its file says so)."""
+    return (folder / f"{moment}.{pid}").read_text() == "thread"
 
 
 def release(folder: Path, moment: str, pid: int) -> None:

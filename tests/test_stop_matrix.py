@@ -33,8 +33,8 @@ from app.parallel.plans import free_port
 from app.runtime import moments
 from app.runtime.stop_signals import PREEMPTED_EXIT_CODE
 from app.training import checkpoint
-from conftest import (REPO, TINY_TRAIN_FLAGS, held_pid, held_pids, read_line_with, release,
-                      run_driver)
+from conftest import (REPO, TINY_TRAIN_FLAGS, held_in_thread, held_pid, held_pids,
+                      read_line_with, release, run_driver)
 from test_remote_output import as_checkpoint, bucket_files, new_bucket
 
 BASE_STEPS = 10  # the resumed checkpoint: epoch 1 of 320 images at 2 x 16
@@ -115,7 +115,7 @@ def stopped_at(tmp_path: Path, process, moment: str, sender: str) -> tuple[int, 
     held. (exit code, stderr)."""
     folder = tmp_path / "moments"
     held = held_pid(process, folder, moment)
-    driver_held = held == process.pid and (folder / f"{moment}.{held}").read_text() != "thread"
+    driver_held = held == process.pid and not held_in_thread(folder, moment, held)
     send(process, sender)
     taken = ""
     if not driver_held:  # the driver takes the stop first: it saves next, or ends all now

@@ -34,13 +34,13 @@ def moment(name: str) -> None:
     """This process has reached `name`."""
     if IMPORTS_DIR in os.environ:
         record_imports(name, os.environ[IMPORTS_DIR])
-    wanted = os.environ.get(PAUSE_AT)
-    if wanted and {name, f"{name}*"} & set(wanted.split(",")):
-        pause(name, os.environ[PAUSE_DIR], every=f"{name}*" in wanted.split(","))
+    names = os.environ.get(PAUSE_AT, "").split(",")
+    if name in names or f"{name}*" in names:
+        pause(name, os.environ[PAUSE_DIR], every=f"{name}*" in names)
 
 
 def pause(name: str, folder: str, every: bool) -> None:
-    try:  # the first process to get here pauses; the rest go on
+    try:  # the first process to get here pauses; the rest go on (every one: all pause)
         os.close(os.open(os.path.join(folder, f"{name}.claimed"),
                          os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
